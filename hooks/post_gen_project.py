@@ -1,0 +1,68 @@
+"""Finish the generated project: drop what the answers did not choose, create `.env`.
+
+Standard library only, no package manager, no git: the hook must work on any machine that can
+run cookiecutter. Every removal comes from one declarative table (answer -> paths), so adding an
+optional part means adding one row, not another branch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+ANSWERS = json.loads(
+    r'''{{ {
+        "package_name": cookiecutter.package_name,
+        "service_slug": cookiecutter.service_slug,
+        "include_example": cookiecutter.include_example,
+    } | tojson }}'''
+)
+
+PACKAGE = f"src/{ANSWERS['package_name']}"
+
+# (answer, value that removes the paths, glob patterns relative to the project root)
+REMOVALS: tuple[tuple[str, object, tuple[str, ...]], ...] = (
+    (
+        "include_example",
+        False,
+        (
+            f"{PACKAGE}/orders",
+            f"{PACKAGE}/notifications",
+            "migrations/versions/*_example_contexts.py",
+            "tests/*/test_example_*.py",
+        ),
+    ),
+)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or a whole folder; a path that is already gone is not an error."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def main() -> None:
+    root = Path.cwd()
+    for answer, value, paths in REMOVALS:
+        if ANSWERS[answer] == value:
+            for pattern in paths:
+                for path in sorted(root.glob(pattern)):
+                    remove(path)
+    env, example = root / ".env", root / ".env.example"
+    if example.exists() and not env.exists():
+        shutil.copyfile(example, env)
+    print(
+        f"\nCreated {ANSWERS['service_slug']}. Next steps:\n"
+        f"  cd {ANSWERS['service_slug']}\n"
+        "  make install    # virtual environment in .venv with the development tools\n"
+        "  make migrate    # create the embedded SQLite database\n"
+        "  make run        # API + worker on http://127.0.0.1:8000 (SQLite, in-process bus)\n"
+        "  make test       # the default test tiers\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

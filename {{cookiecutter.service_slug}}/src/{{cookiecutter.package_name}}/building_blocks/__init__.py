@@ -1,0 +1,1 @@
+"""The outbox/inbox machinery. It knows no bounded context (enforced by import-linter)."""

@@ -1,0 +1,161 @@
+"""Who is acting, for which tenant, under which correlation: the ambient request context.
+
+The API sets it from the bearer token and the ``X-Correlation-Id`` header; every asynchronous hop
+(outbox row, internal command, broker message) captures it when written and restores it when
+delivered, through the one pair of helpers below, so the hops cannot drift apart. A restore
+always *replaces* the whole context (never merges), so one row's identity can never answer for
+the next row of the same batch.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+MAX_ROLES_LENGTH = 512
+MAX_CORRELATION_ID_LENGTH = 64
+MAX_TENANT_LENGTH = 64
+MAX_USER_LENGTH = 128
+_CORRELATION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}")
+_TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+class InvalidContextError(ValueError):
+    """A context value from outside (header, token, message) failed validation."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """The identity and correlation a piece of work runs under."""
+
+    tenant_id: str | None = None
+    user_id: str | None = None
+    roles: tuple[str, ...] = ()
+    correlation_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    traceparent: str | None = None
+    authentication_type: str | None = None
+
+    @property
+    def is_authenticated(self) -> bool:
+        return self.user_id is not None
+
+    def has_role(self, role: str) -> bool:
+        return role in self.roles
+
+
+@dataclass(frozen=True, slots=True)
+class CapturedContext:
+    """The persisted form of a context: what an outbox row, a command or a header carries."""
+
+    tenant_id: str | None
+    user_id: str | None
+    user_roles: str | None
+    correlation_id: str | None
+    traceparent: str | None
+
+
+_current: ContextVar[RequestContext | None] = ContextVar("request_context", default=None)
+
+
+def new_correlation_id() -> str:
+    return uuid.uuid4().hex
+
+
+def new_traceparent() -> str:
+    """A fresh W3C trace context (used when no tracer supplied one)."""
+    return f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
+
+
+def validate_correlation_id(value: str) -> str:
+    """Accept at most 64 characters from a safe set; anything else is refused, not cleaned."""
+    if not _CORRELATION_ID.fullmatch(value):
+        msg = (
+            "X-Correlation-Id must be 1-64 characters of letters, digits, '.', '_', ':' or '-', "
+            "starting with a letter or digit"
+        )
+        raise InvalidContextError(msg)
+    return value
+
+
+def validate_traceparent(value: str | None) -> str | None:
+    if value is None or value == "":
+        return None
+    if not _TRACEPARENT.fullmatch(value):
+        msg = "traceparent is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)"
+        raise InvalidContextError(msg)
+    return value
+
+
+def flatten_roles(roles: Iterable[str]) -> str | None:
+    """Comma-join roles, dropping whole roles that would cross the 512-character cap."""
+    kept: list[str] = []
+    length = 0
+    for role in roles:
+        cleaned = role.replace(",", "").strip()
+        if not cleaned:
+            continue
+        extra = len(cleaned) + (1 if kept else 0)
+        if length + extra > MAX_ROLES_LENGTH:
+            break
+        kept.append(cleaned)
+        length += extra
+    return ",".join(kept) or None
+
+
+def split_roles(flattened: str | None) -> tuple[str, ...]:
+    return tuple(r for r in (flattened or "").split(",") if r)
+
+
+def current_context() -> RequestContext:
+    """The ambient context; an anonymous one (with a fresh correlation id) when none is set."""
+    context = _current.get()
+    if context is None:
+        context = RequestContext()
+        _current.set(context)
+    return context
+
+
+def capture() -> CapturedContext:
+    """Snapshot the ambient context for persistence (roles flattened and capped)."""
+    context = current_context()
+    return CapturedContext(
+        tenant_id=context.tenant_id,
+        user_id=context.user_id,
+        user_roles=flatten_roles(context.roles),
+        correlation_id=context.correlation_id,
+        traceparent=context.traceparent,
+    )
+
+
+def rebuild(captured: CapturedContext, *, authentication_type: str) -> RequestContext:
+    """Turn a captured context back into a live one, naming the hop it came back from."""
+    return RequestContext(
+        tenant_id=captured.tenant_id,
+        user_id=captured.user_id,
+        roles=split_roles(captured.user_roles),
+        correlation_id=captured.correlation_id or new_correlation_id(),
+        traceparent=captured.traceparent,
+        authentication_type=authentication_type if captured.user_id else None,
+    )
+
+
+@contextmanager
+def use_context(context: RequestContext) -> Iterator[RequestContext]:
+    """Run a block under ``context``, replacing (not merging) whatever was ambient."""
+    token = _current.set(context)
+    try:
+        yield context
+    finally:
+        _current.reset(token)
+
+
+@contextmanager
+def restored(captured: CapturedContext, *, authentication_type: str) -> Iterator[RequestContext]:
+    """Restore a captured context for one delivery (outbox row, command or message)."""
+    with use_context(rebuild(captured, authentication_type=authentication_type)) as context:
+        yield context

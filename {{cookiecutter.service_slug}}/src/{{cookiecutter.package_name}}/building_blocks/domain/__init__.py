@@ -1,0 +1,22 @@
+"""Domain building blocks: pure standard library, so every domain model stays pure too.
+
+Aggregates are written event-sourcing style: state changes only by raising an event that is
+applied (``_raise`` calls the ``@applies`` method and appends the event to the pending list), so
+every change is an event and an event-store persistence can be added without rewriting them.
+"""
+
+from .aggregate import AggregateRoot, Entity, applies
+from .errors import ConcurrencyError, DomainError, NotFoundError
+from .events import DomainEvent, Message, validate_event_name
+
+__all__ = [
+    "AggregateRoot",
+    "ConcurrencyError",
+    "DomainError",
+    "DomainEvent",
+    "Entity",
+    "Message",
+    "NotFoundError",
+    "applies",
+    "validate_event_name",
+]

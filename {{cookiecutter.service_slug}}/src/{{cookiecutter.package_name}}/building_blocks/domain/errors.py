@@ -1,0 +1,30 @@
+"""Errors the domain and the persistence layer raise in business terms."""
+
+from __future__ import annotations
+
+
+class DomainError(Exception):
+    """A business rule refused the operation (the API answers 409/422 with this message)."""
+
+    def __init__(self, message: str, *, code: str = "domain_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class NotFoundError(DomainError):
+    """The aggregate does not exist, or belongs to another tenant (indistinguishable: 404)."""
+
+    def __init__(self, kind: str, identifier: object) -> None:
+        super().__init__(f"{kind} {identifier} was not found", code="not_found")
+
+
+class ConcurrencyError(DomainError):
+    """Another writer changed the aggregate since it was loaded (optimistic concurrency)."""
+
+    def __init__(self, kind: str, identifier: object, expected_version: int) -> None:
+        super().__init__(
+            f"{kind} {identifier} was changed by someone else (expected version "
+            f"{expected_version}); reload it and try again",
+            code="concurrency_conflict",
+        )

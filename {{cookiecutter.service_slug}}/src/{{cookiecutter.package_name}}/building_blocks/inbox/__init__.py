@@ -1,0 +1,1 @@
+"""The consumer side: one consume pipeline that deduplicates with the inbox table."""

@@ -1,0 +1,187 @@
+"""The one consume pipeline every integration-event handler runs through.
+
+verify -> restore context -> open a unit of work -> stage the inbox row ``(message_id,
+consumer)`` in it -> run the handler -> commit handler writes, inbox row and any new outbox rows
+together -> acknowledge.
+
+* A message whose signature, headers or payload cannot be trusted raises
+  :class:`RejectedMessageError` before anything is restored: the transport dead-letters it with
+  the reason and never retries it.
+* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
+  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip.
+* A handler failure rolls everything back, including the staged inbox row, so the redelivery is
+  not mistaken for a duplicate; the exception propagates and the transport redelivers (bounded)
+  then dead-letters.
+
+The handler runs under the runtime guard: it must not commit; the pipeline does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from ..clock import Clock
+from ..context import current_context, restored
+from ..domain.events import Message
+from ..handlers import Consumer, handler_name
+from ..messaging.envelope import RejectedMessageError, Rejection, Signer, read_envelope
+from ..outbox.metrics import OutboxMetrics
+from ..persistence.models import InboxMessage
+from ..persistence.unit_of_work import handler_scope
+from ..persistence.unit_of_work_factory import UnitOfWorkFactory
+from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
+
+log = logging.getLogger(__name__)
+MESSAGE_AUTHENTICATION = "message"
+INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
+
+
+class ConsumeOutcome(Enum):
+    CONSUMED = "consumed"
+    DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """The message a consumer handler is running for."""
+
+    message_id: str
+    event_name: str
+    consumer: str
+
+
+_delivery: ContextVar[Delivery | None] = ContextVar("delivery", default=None)
+
+
+def current_delivery() -> Delivery:
+    """The delivery being consumed (raises outside a consumer handler)."""
+    delivery = _delivery.get()
+    if delivery is None:
+        msg = "current_delivery() is only available inside an integration-event handler"
+        raise LookupError(msg)
+    return delivery
+
+
+@contextmanager
+def _delivering(delivery: Delivery) -> Iterator[None]:
+    token = _delivery.set(delivery)
+    try:
+        yield
+    finally:
+        _delivery.reset(token)
+
+
+class ConsumePipeline:
+    """Runs consumers with verification, context restore and inbox deduplication."""
+
+    def __init__(
+        self,
+        *,
+        units: UnitOfWorkFactory,
+        registry: MessageRegistry,
+        signer: Signer,
+        inbox_enabled: bool,
+        metrics: OutboxMetrics,
+        clock: Clock,
+    ) -> None:
+        self._units = units
+        self._registry = registry
+        self._signer = signer
+        self._inbox = inbox_enabled
+        self._metrics = metrics
+        self._clock = clock
+
+    def _decode(self, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise RejectedMessageError(Rejection.MALFORMED_BODY, f"the body is not JSON: {error}") from error
+        if not isinstance(payload, dict):
+            raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
+        try:
+            message = self._registry.load(event_name, payload)
+        except UnknownMessageError as error:
+            raise RejectedMessageError(Rejection.UNKNOWN_EVENT, str(error)) from error
+        except MalformedPayloadError as error:
+            raise RejectedMessageError(Rejection.MALFORMED_BODY, str(error)) from error
+        if not isinstance(message, consumer.event_type):
+            detail = f"{event_name} is not consumed by {consumer.name}"
+            raise RejectedMessageError(Rejection.UNEXPECTED_EVENT, detail)
+        return cast("Message", message)
+
+    async def consume(
+        self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
+    ) -> ConsumeOutcome:
+        """Process one message for one consumer (see the module docstring)."""
+        try:
+            envelope = read_envelope(headers, body, self._signer)
+            message = self._decode(consumer, envelope.event_name, body)
+        except RejectedMessageError as rejected:
+            self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+            raise
+        delivery = Delivery(envelope.message_id, envelope.event_name, consumer.name)
+        with restored(envelope.context, authentication_type=MESSAGE_AUTHENTICATION), _delivering(delivery):
+            try:
+                outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
+            except Exception:
+                self._metrics.inbox_failures.labels(consumer.name).inc()
+                raise
+        if outcome is ConsumeOutcome.DUPLICATE:
+            self._metrics.inbox_duplicates.labels(consumer.name).inc()
+            log.info("%s skipped duplicate message %s", consumer.name, envelope.message_id)
+        else:
+            self._metrics.inbox_consumed.labels(consumer.name).inc()
+        return outcome
+
+    async def _run(
+        self, consumer: Consumer[Any], message: Message, message_id: str, event_name: str
+    ) -> ConsumeOutcome:
+        async with self._units() as uow:
+            if self._inbox:
+                if await self._already_consumed(uow.session, message_id, consumer.name):
+                    return ConsumeOutcome.DUPLICATE
+                context = current_context()
+                uow.stage_inbox(
+                    InboxMessage(
+                        message_id=message_id,
+                        consumer=consumer.name,
+                        event_name=event_name,
+                        tenant_id=context.tenant_id,
+                        correlation_id=context.correlation_id,
+                        received_on=self._clock(),
+                    )
+                )
+            with handler_scope(handler_name(consumer.handler)):
+                await consumer.handler(message, uow)
+            try:
+                await uow.commit()
+            except IntegrityError:
+                if not self._inbox:
+                    raise
+                await uow.session.rollback()
+                # A racing consumer whose inbox row committed first, or a genuine constraint
+                # violation in the handler's own writes: only the first is a duplicate.
+                if await self._already_consumed(uow.session, message_id, consumer.name):
+                    return ConsumeOutcome.DUPLICATE
+                raise
+        return ConsumeOutcome.CONSUMED
+
+    @staticmethod
+    async def _already_consumed(session: AsyncSession, message_id: str, consumer: str) -> bool:
+        result = await session.exec(  # type: ignore[call-overload]
+            sa.select(INBOX.c.message_id).where(
+                INBOX.c.message_id == message_id, INBOX.c.consumer == consumer
+            )
+        )
+        return result.first() is not None

@@ -1,0 +1,1 @@
+"""The message bus port, its transports, and the signed context headers."""

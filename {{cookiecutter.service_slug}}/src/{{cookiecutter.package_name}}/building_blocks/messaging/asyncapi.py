@@ -1,0 +1,78 @@
+"""The AsyncAPI 3.0 document of the service, built from the registered messages.
+
+Every integration event the service knows gets a channel (its broker address) and a message
+schema (from its pydantic model); every consumer gets a receive operation. A test fails when an
+integration event has no channel, so the document cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...about import DESCRIPTION, SERVICE_NAME
+from ...settings import Settings
+from ..handlers import HandlerRegistry
+from ..messages import IntegrationEvent
+from ..registry import MessageRegistry
+from .envelope import SIGNATURE, SIGNED_HEADERS
+from .naming import EndpointNames
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "_").replace("-", "_")
+
+
+def asyncapi_document(
+    registry: MessageRegistry, handlers: HandlerRegistry, settings: Settings
+) -> dict[str, Any]:
+    names = EndpointNames(
+        settings.application.resolved_namespace, settings.message_bus.preserve_default_endpoint_names
+    )
+    headers_schema = {
+        "type": "object",
+        "properties": {h: {"type": "string"} for h in (*SIGNED_HEADERS, SIGNATURE)},
+        "required": ["x-message-id", "x-event-name"],
+    }
+    channels: dict[str, Any] = {}
+    operations: dict[str, Any] = {}
+    messages: dict[str, Any] = {}
+    for event in registry.classes(IntegrationEvent):
+        key = _key(event.message_name)
+        messages[key] = {
+            "name": event.message_name,
+            "title": event.__name__,
+            "summary": (event.__doc__ or "").strip().splitlines()[0] if event.__doc__ else "",
+            "contentType": "application/json",
+            "headers": headers_schema,
+            "payload": event.model_json_schema(),
+        }
+        channels[key] = {
+            "address": names.channel(event.message_name),
+            "messages": {key: {"$ref": f"#/components/messages/{key}"}},
+        }
+        operations[f"publish_{key}"] = {
+            "action": "send",
+            "channel": {"$ref": f"#/channels/{key}"},
+            "summary": "Published only by the outbox processor",
+        }
+    for consumer in handlers.consumers:
+        key = _key(consumer.event_type.message_name)
+        operations[f"consume_{_key(consumer.name)}"] = {
+            "action": "receive",
+            "channel": {"$ref": f"#/channels/{key}"},
+            "summary": f"{consumer.name} (queue {names.queue(consumer.name)}, deduplicated by the inbox)",
+        }
+    return {
+        "asyncapi": "3.0.0",
+        "info": {"title": SERVICE_NAME, "version": "1.0.0", "description": DESCRIPTION},
+        "defaultContentType": "application/json",
+        "servers": {
+            "default": {
+                "host": settings.message_bus.url or "in-process",
+                "protocol": settings.message_bus.transport.value,
+            }
+        },
+        "channels": channels,
+        "operations": operations,
+        "components": {"messages": messages},
+    }

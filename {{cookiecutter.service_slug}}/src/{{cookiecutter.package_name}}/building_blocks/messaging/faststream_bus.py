@@ -1,0 +1,151 @@
+"""The FastStream transport: RabbitMQ, Kafka, NATS JetStream or Redis Streams at run time.
+
+Publishing is what the outbox processor calls; it returns only when the broker has durably
+accepted the message (RabbitMQ: persistent + confirmed + mandatory; NATS: JetStream ack; Redis:
+XADD reply; Kafka: ``acks=all``).
+
+Consuming goes through one wrapper per message, whatever the transport, with a manual ack
+policy (FastStream's defaults drop or loop messages differently per broker, see
+``notes/dependency-pitfalls.md``):
+
+* a message that cannot be trusted or read (bad/missing signature, malformed or oversized header,
+  unknown event) is dead-lettered with the reason at once and never retried;
+* a duplicate is acknowledged and skipped (the inbox said so);
+* a handler failure is retried by the broker (the transport's retry step, with a delay) until
+  ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
+  destination with ``x-error`` and ``x-attempts`` and acknowledged: never lost, never looping;
+* a message delivered more times than the limit without a recorded failure (the process died
+  while handling it) is dead-lettered by a guard at the start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ...settings import MessageBusSettings, Transport
+from ..handlers import Consumer, HandlerRegistry
+from ..inbox.pipeline import ConsumePipeline
+from ..outbox.metrics import OutboxMetrics
+from ..registry import MessageRegistry
+from .envelope import Envelope, RejectedMessageError, Signer
+from .naming import EndpointNames
+from .transports.base import BrokerTransport, Delivery
+
+log = logging.getLogger(__name__)
+CRASH_GUARD_ERROR = "attempts exhausted without a recorded failure (crash or timeout)"
+
+
+def build_transport(
+    settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry
+) -> BrokerTransport:
+    """Import only the chosen broker's client library."""
+    if settings.transport is Transport.RABBITMQ:
+        from .transports.rabbit import RabbitTransport  # noqa: PLC0415
+
+        return RabbitTransport(settings, names, registry)
+    if settings.transport is Transport.NATS:
+        from .transports.nats import NatsTransport  # noqa: PLC0415
+
+        return NatsTransport(settings, names, registry)
+    if settings.transport is Transport.REDIS:
+        from .transports.redis import RedisTransport  # noqa: PLC0415
+
+        return RedisTransport(settings, names, registry)
+    if settings.transport is Transport.KAFKA:
+        from .transports.kafka import KafkaTransport  # noqa: PLC0415
+
+        return KafkaTransport(settings, names, registry)
+    msg = f"{settings.transport} is not a broker transport"
+    raise ValueError(msg)
+
+
+class FastStreamBus:
+    """A MessageBus over a FastStream broker, with this service's consumers attached."""
+
+    def __init__(
+        self,
+        *,
+        settings: MessageBusSettings,
+        namespace: str,
+        handlers: HandlerRegistry,
+        registry: MessageRegistry,
+        pipeline: ConsumePipeline,
+        signer: Signer,
+        metrics: OutboxMetrics,
+    ) -> None:
+        self.name = settings.transport.value
+        self._settings = settings
+        self._signer = signer
+        self._pipeline = pipeline
+        self._metrics = metrics
+        self.names = EndpointNames(namespace, settings.preserve_default_endpoint_names)
+        self.transport = build_transport(settings, self.names, registry)
+        self._consumers = handlers.consumers
+        for consumer in self._consumers:
+            self.transport.subscribe(consumer, self._make_handler(consumer))
+
+    @property
+    def broker(self) -> Any:  # noqa: ANN401 (the FastStream broker, for TestBroker in tests)
+        return self.transport.broker
+
+    async def start(self) -> None:
+        await self.transport.connect()
+        await self.transport.declare(self._consumers)
+
+    async def start_consuming(self) -> None:
+        await self.transport.start_consuming()
+
+    async def stop(self) -> None:
+        await self.transport.close()
+
+    async def ping(self) -> None:
+        await self.transport.ping()
+
+    async def publish(self, envelope: Envelope) -> None:
+        headers = self._signer.sign(envelope.headers(), envelope.body)
+        await self.transport.publish(envelope, headers)
+
+    def _make_handler(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401
+        limit = self._settings.max_delivery_attempts
+
+        async def handle(delivery: Delivery) -> None:
+            attempt = await delivery.attempt()
+            if attempt > limit:
+                await delivery.dead_letter(CRASH_GUARD_ERROR, attempt)
+                self._metrics.inbox_rejected.labels(consumer.name, "attempts_exhausted").inc()
+                log.error(
+                    "%s: message %s dead-lettered: %s", consumer.name, delivery.message_id, CRASH_GUARD_ERROR
+                )
+                return
+            try:
+                await self._pipeline.consume(consumer, delivery.headers, delivery.body)
+            except RejectedMessageError as rejected:
+                await delivery.dead_letter(f"rejected: {rejected}", attempt)
+                log.exception("%s: message %s rejected and dead-lettered", consumer.name, delivery.message_id)
+                return
+            except Exception as error:
+                reason = f"{type(error).__name__}: {error}"
+                if attempt >= limit:
+                    await delivery.dead_letter(reason, attempt)
+                    log.exception(
+                        "%s: message %s dead-lettered after %s attempts: %s",
+                        consumer.name,
+                        delivery.message_id,
+                        attempt,
+                        reason,
+                    )
+                else:
+                    log.warning(
+                        "%s: message %s failed attempt %s/%s, redelivering: %s",
+                        consumer.name,
+                        delivery.message_id,
+                        attempt,
+                        limit,
+                        reason,
+                    )
+                    await delivery.retry(attempt)
+                return
+            await delivery.ack()
+
+        return handle

@@ -1,0 +1,88 @@
+"""What every broker transport provides to the FastStream bus."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from ...handlers import Consumer
+from ..envelope import MESSAGE_ID, Envelope
+
+OWN_HEADER_PREFIXES = ("x-", "traceparent")
+
+
+class Delivery(Protocol):
+    """One received message, with the transport's ack / retry / dead-letter steps."""
+
+    body: bytes
+
+    @property
+    def headers(self) -> Mapping[str, object]: ...
+
+    @property
+    def message_id(self) -> str: ...
+
+    async def attempt(self) -> int:
+        """1 for the first delivery, 2 for the first redelivery, ..."""
+        ...
+
+    async def ack(self) -> None: ...
+
+    async def retry(self, attempt: int) -> None:
+        """Ask the broker to deliver the message again after a delay."""
+        ...
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        """Publish a copy to the dead-letter destination (confirmed), then ack the original."""
+        ...
+
+
+DeliveryHandler = Callable[[Delivery], Awaitable[None]]
+
+
+class BrokerTransport(Protocol):
+    """Topology, publish and subscribe for one broker."""
+
+    broker: Any
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None: ...
+
+    async def connect(self) -> None: ...
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None: ...
+
+    async def start_consuming(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None: ...
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None: ...
+
+
+def own_headers(headers: Mapping[str, object]) -> dict[str, str]:
+    """Our headers (x-*, traceparent) as strings: what a dead-letter copy carries along."""
+    kept: dict[str, str] = {}
+    for name, value in headers.items():
+        if name.startswith(OWN_HEADER_PREFIXES) and name not in ("x-death", "x-delivery-count"):
+            kept[name] = value.decode() if isinstance(value, bytes) else str(value)
+    return kept
+
+
+def dead_letter_headers(
+    headers: Mapping[str, object], error: str, attempt: int, origin: str
+) -> dict[str, str]:
+    return own_headers(headers) | {
+        "x-error": error[:1000],
+        "x-attempts": str(attempt),
+        "x-original-address": origin,
+    }
+
+
+def message_id_of(headers: Mapping[str, object]) -> str:
+    value = headers.get(MESSAGE_ID, "?")
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class PingFailedError(ConnectionError):
+    """The broker did not answer."""

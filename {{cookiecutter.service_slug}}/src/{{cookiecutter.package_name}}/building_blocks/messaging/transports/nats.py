@@ -1,0 +1,138 @@
+"""NATS JetStream: one events stream, one durable pull consumer per consumer, a DLQ stream.
+
+A failure is retried with ``nack(delay=...)`` (exponential from
+``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``); JetStream's own ``max_deliver`` (the limit plus two)
+is only the safety net for crash loops. Publishes go through JetStream (``stream=``), never core
+NATS (a core publish to a subject no stream captures is silently lost), and carry
+``Nats-Msg-Id`` so JetStream drops a duplicate publish within its dedup window.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from faststream.nats.message import NatsMessage as NatsMessageType
+from nats.js.errors import BadRequestError
+
+from ....settings import MessageBusSettings
+from ...handlers import Consumer
+from ...messages import IntegrationEvent
+from ...registry import MessageRegistry
+from ..envelope import Envelope
+from ..naming import EndpointNames
+from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+
+
+def _durable(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+class NatsDelivery:
+    def __init__(
+        self, message: NatsMessageType, broker: NatsBroker, *, dlq_subject: str, dlq_stream: str, delay: float
+    ) -> None:
+        self._message = message
+        self._broker = broker
+        self._dlq_subject = dlq_subject
+        self._dlq_stream = dlq_stream
+        self._delay = delay
+        self.headers: Mapping[str, object] = dict(message.headers or {})
+        self.body: bytes = message.body
+
+    @property
+    def message_id(self) -> str:
+        return message_id_of(self.headers)
+
+    async def attempt(self) -> int:
+        return int(self._message.raw_message.metadata.num_delivered)
+
+    async def ack(self) -> None:
+        await self._message.ack()
+
+    async def retry(self, attempt: int) -> None:
+        await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        headers = {
+            k: v
+            for k, v in dead_letter_headers(
+                self.headers, error, attempt, self._message.raw_message.subject
+            ).items()
+            if not k.startswith("Nats-")
+        }
+        await self._broker.publish(self.body, self._dlq_subject, headers=headers, stream=self._dlq_stream)
+        await self._message.ack()
+
+
+class NatsTransport:
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+        self._settings = settings
+        self._names = names
+        self.broker = NatsBroker(settings.url or "nats://localhost:4222")
+        self._events = names.stream("events")
+        self._dead_letters = names.stream("dead_letters")
+        self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        subject = self._names.channel(consumer.event_type.message_name)
+        broker = self.broker
+        dlq_subject = self._names.dead_letter_subject(consumer.name)
+        delay = self._settings.redelivery_delay_seconds
+
+        @broker.subscriber(
+            subject,
+            stream=JStream(self._events, declare=False),
+            durable=_durable(self._names.queue(consumer.name)),
+            pull_sub=PullSub(batch_size=10, timeout=1.0),
+            config=ConsumerConfig(
+                max_deliver=self._settings.max_delivery_attempts + 2, ack_wait=30, filter_subject=subject
+            ),
+            ack_policy=AckPolicy.MANUAL,
+        )
+        async def on_message(message: NatsMessage) -> None:
+            await handler(
+                NatsDelivery(
+                    message, broker, dlq_subject=dlq_subject, dlq_stream=self._dead_letters, delay=delay
+                )
+            )
+
+    async def connect(self) -> None:
+        await self.broker.connect()
+
+    async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
+        js = self.broker.config.connection_state.stream
+        try:
+            await js.add_stream(name=name, subjects=subjects)
+        except BadRequestError:
+            await js.update_stream(name=name, subjects=subjects)
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        del consumers  # durable consumers are created when they start
+        if self._subjects:
+            await self._ensure_stream(self._events, self._subjects)
+        await self._ensure_stream(self._dead_letters, [f"dlq.{self._names.queue('')}>"])
+
+    async def start_consuming(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+    async def ping(self) -> None:
+        if not await self.broker.ping(timeout=2.0):
+            msg = "NATS did not answer"
+            raise PingFailedError(msg)
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body,
+            self._names.channel(envelope.event_name),
+            headers=headers | {"Nats-Msg-Id": envelope.message_id},
+            stream=self._events,
+            timeout=self._settings.publish_timeout_seconds,
+        )

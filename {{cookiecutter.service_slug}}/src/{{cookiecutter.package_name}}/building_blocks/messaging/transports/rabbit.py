@@ -1,0 +1,143 @@
+"""RabbitMQ: a topic exchange per namespace, a quorum queue per consumer, a TTL retry queue.
+
+Topology per consumer (declared at start-up, see ``notes/broker-redelivery.md``): the main
+quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
+(``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``) dead-letters them back to the main queue; final
+failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
+``x-delivery-count``, which a quorum queue adds after a crash). Publishes are persistent,
+confirmed and mandatory on a channel that raises on return: an unroutable message is a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
+from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage as RabbitMessageType
+from faststream.rabbit.schemas import Channel
+
+from ....settings import MessageBusSettings
+from ...handlers import Consumer
+from ...registry import MessageRegistry
+from ..envelope import Envelope
+from ..naming import EndpointNames
+from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+
+
+class RabbitDelivery:
+    def __init__(self, message: RabbitMessageType, broker: RabbitBroker, main: str, dlq: str) -> None:
+        self._message = message
+        self._broker = broker
+        self._main = main
+        self._dlq = dlq
+        self.headers: dict[str, Any] = dict(message.raw_message.headers or {})
+        self.body: bytes = message.body
+
+    @property
+    def message_id(self) -> str:
+        return message_id_of(self.headers)
+
+    async def attempt(self) -> int:
+        deaths: list[dict[str, Any]] = list(self.headers.get("x-death") or [])
+        rejected = sum(
+            int(death.get("count", 0))
+            for death in deaths
+            if death.get("queue") == self._main and death.get("reason") == "rejected"
+        )
+        crashed = int(str(self.headers.get("x-delivery-count") or 0))
+        return rejected + crashed + 1
+
+    async def ack(self) -> None:
+        await self._message.ack()
+
+    async def retry(self, attempt: int) -> None:
+        del attempt  # the retry queue's TTL is the delay
+        await self._message.reject()  # requeue=False: main -> DLX -> retry queue -> TTL -> main
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        await self._broker.publish(
+            self.body,
+            queue=self._dlq,
+            headers=dict[str, Any](dead_letter_headers(self.headers, error, attempt, self._main)),
+            persist=True,
+            content_type=self._message.content_type or "application/json",
+            message_id=self.message_id,
+        )
+        await self._message.ack()
+
+
+class RabbitTransport:
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+        self._settings = settings
+        self._names = names
+        self._registry = registry
+        self.broker = RabbitBroker(settings.url, default_channel=Channel(on_return_raises=True))
+        self._exchange = RabbitExchange(names.exchange(), type=ExchangeType.TOPIC, durable=True)
+
+    def _queues(self, consumer: Consumer[Any]) -> tuple[RabbitQueue, RabbitQueue, RabbitQueue]:
+        main_name = self._names.queue(consumer.name)
+        retry_name = self._names.retry_queue(consumer.name)
+        main = RabbitQueue(
+            main_name,
+            durable=True,
+            queue_type=QueueType.QUORUM,
+            routing_key=self._names.channel(consumer.event_type.message_name),
+            arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retry_name},
+        )
+        retry = RabbitQueue(
+            retry_name,
+            durable=True,
+            arguments={
+                "x-message-ttl": int(self._settings.redelivery_delay_seconds * 1000),
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": main_name,
+            },
+        )
+        return main, retry, RabbitQueue(self._names.dead_letters(consumer.name), durable=True)
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        main, _, dlq = self._queues(consumer)
+        broker = self.broker
+
+        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL)
+        async def on_message(message: RabbitMessage) -> None:
+            await handler(RabbitDelivery(message, broker, main.name, dlq.name))
+
+    async def connect(self) -> None:
+        await self.broker.connect()
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        exchange = await self.broker.declare_exchange(self._exchange)
+        for consumer in consumers:
+            main, retry, dlq = self._queues(consumer)
+            for queue in (retry, dlq):
+                await self.broker.declare_queue(queue)
+            declared = await self.broker.declare_queue(main)
+            await declared.bind(exchange, routing_key=main.routing_key)
+
+    async def start_consuming(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+    async def ping(self) -> None:
+        if not await self.broker.ping(timeout=2.0):
+            msg = "RabbitMQ did not answer"
+            raise PingFailedError(msg)
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body,
+            exchange=self._exchange,
+            routing_key=self._names.channel(envelope.event_name),
+            persist=True,
+            mandatory=True,
+            headers=dict[str, Any](headers),
+            message_id=envelope.message_id,
+            content_type="application/json",
+            timeout=self._settings.publish_timeout_seconds,
+        )

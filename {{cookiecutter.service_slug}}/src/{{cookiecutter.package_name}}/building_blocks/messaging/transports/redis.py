@@ -1,0 +1,118 @@
+"""Redis Streams: one stream per event, one consumer group per consumer, a reclaimer.
+
+Not acknowledging is the retry: the entry stays in the group's pending list and a second
+subscriber with ``min_idle_time`` (``XAUTOCLAIM``) takes it back once it has been idle for
+``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``; that reclaimer is also what rescues the entries of a
+consumer that crashed. The group is created at ``0`` before anything publishes (FastStream would
+create it at ``$`` and skip earlier entries). Streams are never trimmed: trimming deletes pending
+entries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from faststream import AckPolicy
+from faststream.redis import RedisBroker, StreamSub
+from faststream.redis.annotations import RedisStreamMessage
+from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
+from redis.exceptions import ResponseError
+
+from ....settings import MessageBusSettings
+from ...handlers import Consumer
+from ...registry import MessageRegistry
+from ..envelope import Envelope
+from ..naming import EndpointNames
+from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+
+
+class RedisDelivery:
+    def __init__(self, message: RedisStreamMessageType, broker: RedisBroker, stream: str, dlq: str) -> None:
+        self._message = message
+        self._broker = broker
+        self._stream = stream
+        self._dlq = dlq
+        self.headers: Mapping[str, object] = dict(message.headers or {})
+        self.body: bytes = message.body
+
+    @property
+    def message_id(self) -> str:
+        return message_id_of(self.headers)
+
+    async def attempt(self) -> int:
+        return int(await self._message.get_delivery_count())
+
+    async def ack(self) -> None:
+        await self._message.ack()
+
+    async def retry(self, attempt: int) -> None:
+        del attempt  # left pending: the reclaimer delivers it again after min_idle_time
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        await self._broker.publish(
+            self.body,
+            stream=self._dlq,
+            headers=dead_letter_headers(self.headers, error, attempt, self._stream),
+        )
+        await self._message.ack()
+
+
+class RedisTransport:
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+        del registry
+        self._settings = settings
+        self._names = names
+        self.broker = RedisBroker(settings.url or "redis://localhost:6379")
+        self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+
+    def _stream(self, consumer: Consumer[Any]) -> str:
+        return self._names.channel(consumer.event_type.message_name)
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        stream = self._stream(consumer)
+        group = self._names.queue(consumer.name)
+        dlq = self._names.dead_letters(consumer.name)
+        idle_ms = int(self._settings.redelivery_delay_seconds * 1000)
+        broker = self.broker
+
+        async def on_message(message: RedisStreamMessage) -> None:
+            await handler(RedisDelivery(message, broker, stream, dlq))
+
+        fresh = StreamSub(stream, group=group, consumer=self._member)
+        reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
+        broker.subscriber(stream=fresh, ack_policy=AckPolicy.MANUAL)(on_message)
+        broker.subscriber(stream=reclaimer, ack_policy=AckPolicy.MANUAL)(on_message)
+
+    async def connect(self) -> None:
+        await self.broker.connect()
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        client = self.broker.config.connection
+        for consumer in consumers:
+            try:
+                await client.xgroup_create(
+                    self._stream(consumer), self._names.queue(consumer.name), id="0", mkstream=True
+                )
+            except ResponseError as error:
+                if "BUSYGROUP" not in str(error):
+                    raise
+
+    async def start_consuming(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+    async def ping(self) -> None:
+        if not await self.broker.ping(timeout=2.0):
+            msg = "Redis did not answer"
+            raise PingFailedError(msg)
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body, stream=self._names.channel(envelope.event_name), headers=headers
+        )

@@ -1,0 +1,1 @@
+"""The outbox: capture at commit, in-process dispatch, the processor, cleanup, administration."""

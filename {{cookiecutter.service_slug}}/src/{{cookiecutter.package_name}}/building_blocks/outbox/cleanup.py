@@ -1,0 +1,106 @@
+"""Retention: delete delivered rows, dead letters and inbox records once they are old enough.
+
+Processed rows go after ``OUTBOX__RETENTION_DAYS`` (default 7; 0 disables), dead letters after
+``OUTBOX__DEAD_LETTER_RETENTION_DAYS`` (0 = same as retention; set it longer to keep evidence for
+diagnosis and replay), both keyed on ``occurred_on`` (a dead letter never gets a processed
+time); inbox rows after ``INBOX__RETENTION_DAYS`` on ``received_on``. Deletion cannot be undone, so
+every sweep that removed rows logs one Warning per table with the count. Deletes run in bounded
+batches, each its own short transaction, through indexes that contain no pending row, so the
+claim's hot path is never locked for long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from datetime import timedelta
+
+import sqlalchemy as sa
+
+from ..clock import Clock
+from ..persistence.database import Database
+from ..persistence.models import InboxMessage
+from .metrics import OutboxMetrics
+from .sources import SOURCES
+
+log = logging.getLogger(__name__)
+INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    retention_days: int
+    dead_letter_retention_days: int
+    inbox_retention_days: int
+    batch_size: int
+
+    @property
+    def dead_letter_days(self) -> int:
+        return self.dead_letter_retention_days or self.retention_days
+
+
+class RetentionCleaner:
+    """One sweep deletes everything past retention, batch by batch."""
+
+    def __init__(
+        self, *, database: Database, policy: RetentionPolicy, clock: Clock, metrics: OutboxMetrics
+    ) -> None:
+        self._db = database
+        self._policy = policy
+        self._clock = clock
+        self._metrics = metrics
+
+    async def _delete_batches(
+        self, table: sa.Table, keys: list[sa.Column[object]], where: sa.ColumnElement[bool]
+    ) -> int:
+        total = 0
+        key = keys[0] if len(keys) == 1 else sa.tuple_(*keys)
+        while True:
+            chosen = sa.select(*keys).where(where).limit(self._policy.batch_size)
+            statement = sa.delete(table).where(key.in_(chosen)).returning(keys[0])
+            async with self._db.session() as session:
+                deleted = len((await session.exec(statement)).all())
+                await session.commit()
+            total += deleted
+            if deleted < self._policy.batch_size:
+                return total
+            await asyncio.sleep(0)  # let the hot path in between batches
+
+    async def sweep(self) -> dict[str, int]:
+        """Delete what is past retention; return counts by ``table:state``."""
+        now = self._clock()
+        counts: dict[str, int] = {}
+        policy = self._policy
+        for source in SOURCES.values():
+            t = source.table.c
+            if policy.retention_days > 0:
+                cutoff = now - timedelta(days=policy.retention_days)
+                counts[f"{source.name}:processed"] = await self._delete_batches(
+                    source.table, [t.id], sa.and_(t.processed_on.is_not(None), t.occurred_on < cutoff)
+                )
+            if policy.dead_letter_days > 0:
+                cutoff = now - timedelta(days=policy.dead_letter_days)
+                counts[f"{source.name}:dead_lettered"] = await self._delete_batches(
+                    source.table, [t.id], sa.and_(t.dead_lettered_on.is_not(None), t.occurred_on < cutoff)
+                )
+        if policy.inbox_retention_days > 0:
+            cutoff = now - timedelta(days=policy.inbox_retention_days)
+            counts["inbox:consumed"] = await self._delete_batches(
+                INBOX, [INBOX.c.message_id, INBOX.c.consumer], INBOX.c.received_on < cutoff
+            )
+        for key, count in counts.items():
+            if count:
+                table, state = key.split(":")
+                self._metrics.cleaned.labels(table, state).inc(count)
+                log.warning("retention cleanup deleted %s %s row(s) from %s", count, state, table)
+        return counts
+
+    async def run(self, interval_seconds: float) -> None:
+        """Sweep forever (first sweep right away)."""
+        while True:
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("retention cleanup failed; retrying at the next interval")
+            await asyncio.sleep(interval_seconds)

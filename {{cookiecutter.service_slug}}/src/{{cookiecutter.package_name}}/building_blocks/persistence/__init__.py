@@ -1,0 +1,1 @@
+"""Engine and sessions, the outbox/inbox/internal-command tables, and the unit of work."""

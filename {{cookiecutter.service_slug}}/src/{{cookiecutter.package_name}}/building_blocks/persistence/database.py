@@ -1,0 +1,116 @@
+"""The async engine and session factory for SQLite (aiosqlite) and PostgreSQL (asyncpg).
+
+SQLite runs in WAL mode with a busy timeout, so the API and the worker (one process or two) can
+share the embedded file; PostgreSQL gets a normal pool. One ``AsyncSession`` serves one unit of
+work or one consumed message and is never shared between tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from ...settings import DatabaseSettings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Serialization failure, deadlock, lock not available (PostgreSQL), busy/locked (SQLite).
+TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+TRANSIENT_MESSAGES = ("database is locked", "database is busy", "database table is locked")
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for database errors that a re-run of the whole operation may not hit again."""
+    if not isinstance(error, DBAPIError):
+        return False
+    if getattr(error.orig, "sqlstate", None) in TRANSIENT_SQLSTATES:
+        return True
+    text_ = str(error.orig).lower()
+    return any(message in text_ for message in TRANSIENT_MESSAGES)
+
+
+class Database:
+    """Owns the engine; hands out sessions. Built once by the container."""
+
+    def __init__(self, settings: DatabaseSettings) -> None:
+        self.settings = settings
+        self.url = make_url(settings.url)
+        self.engine: AsyncEngine = self._create_engine()
+        self.sessions = async_sessionmaker(
+            self.engine, class_=AsyncSession, expire_on_commit=False, autoflush=False
+        )
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @property
+    def is_postgresql(self) -> bool:
+        return self.dialect == "postgresql"
+
+    def _create_engine(self) -> AsyncEngine:
+        if self.url.get_backend_name() == "sqlite":
+            database = self.url.database
+            if database and database != ":memory:":
+                Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            engine = create_async_engine(
+                self.url,
+                echo=self.settings.echo,
+                connect_args={"timeout": self.settings.sqlite_busy_timeout_ms / 1000},
+            )
+            busy_ms = self.settings.sqlite_busy_timeout_ms
+
+            @event.listens_for(engine.sync_engine, "connect")
+            def _sqlite_pragmas(dbapi_connection: Any, _record: object) -> None:  # noqa: ANN401
+                cursor = dbapi_connection.cursor()
+                cursor.execute("PRAGMA journal_mode=WAL")
+                cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
+                cursor.execute("PRAGMA foreign_keys=ON")
+                cursor.execute("PRAGMA synchronous=NORMAL")
+                cursor.close()
+
+            return engine
+        return create_async_engine(
+            self.url,
+            echo=self.settings.echo,
+            pool_size=self.settings.pool_size,
+            pool_pre_ping=True,
+        )
+
+    @asynccontextmanager
+    async def session(self) -> AsyncIterator[AsyncSession]:
+        async with self.sessions() as session:
+            yield session
+
+    async def ping(self) -> None:
+        """Raise unless the database answers (used by /readyz)."""
+        async with self.engine.connect() as connection:
+            await connection.execute(text("SELECT 1"))
+
+    async def dispose(self) -> None:
+        await self.engine.dispose()
+
+    async def retry_transient(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run ``operation`` again (with a short backoff) when it fails transiently."""
+        attempts = self.settings.transient_retry_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return await operation()
+            except DBAPIError as error:
+                if attempt == attempts or not is_transient(error):
+                    raise
+                log.warning("transient database error (attempt %s/%s): %s", attempt, attempts, error.orig)
+                await asyncio.sleep(0.05 * 2 ** (attempt - 1))
+        msg = "unreachable"
+        raise AssertionError(msg)

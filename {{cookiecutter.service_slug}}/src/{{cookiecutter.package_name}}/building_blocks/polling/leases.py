@@ -1,0 +1,144 @@
+"""Token-guarded writes on a polled table (``outbox_messages`` or ``internal_commands``).
+
+Every outcome is guarded on the row id and the lock token *only* (no ``locked_until`` term): an
+expired lease still lands while no other replica has claimed the row, and a row another replica
+re-claimed under a new token is never overwritten. ``RETURNING id`` says which rows were still
+ours: rowcount is not reliable across drivers (-1 for executemany on asyncpg and for ``WITH``
+statements on SQLite).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Collection
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+MAX_ERROR_LENGTH = 4000
+RETRIES_EXHAUSTED = "retries_exhausted"
+TYPE_UNRESOLVABLE = "type_unresolvable"
+MALFORMED_PAYLOAD = "malformed_payload"
+
+
+class LeaseLostError(RuntimeError):
+    """The row no longer carries our token: another processor owns it now."""
+
+
+def backoff_seconds(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
+    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap (ADR 2026-08-07)."""
+    exponent = min(max(attempt, 1) - 1, 62)
+    return min(base * (2.0**exponent) * rng.uniform(0.8, 1.2), cap)
+
+
+@dataclass(frozen=True)
+class FailureOutcome:
+    """What a failure did to the row."""
+
+    dead_lettered: bool
+    retry_count: int
+    retry_at: datetime | None
+
+
+class LeaseStore:
+    """The guarded writes for one polled table."""
+
+    def __init__(self, table: sa.Table) -> None:
+        self.table = table
+        self._c = table.c
+
+    def _ours(self, ids: Collection[uuid.UUID], token: uuid.UUID) -> sa.ColumnElement[bool]:
+        return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)
+
+    async def stamp_processed(
+        self, session: AsyncSession, ids: Collection[uuid.UUID], token: uuid.UUID, now: datetime
+    ) -> set[uuid.UUID]:
+        """Mark rows delivered; return the ids that were still ours."""
+        statement = (
+            sa.update(self.table)
+            .where(self._ours(ids, token))
+            .values(processed_on=now, locked_until=None, lock_token=None)
+            .returning(self._c.id)
+        )
+        result = await session.exec(statement)
+        return {row[0] for row in result}
+
+    async def release(
+        self,
+        session: AsyncSession,
+        ids: Collection[uuid.UUID],
+        token: uuid.UUID,
+        *,
+        error: str | None = None,
+        until: datetime | None = None,
+    ) -> set[uuid.UUID]:
+        """Give rows back without charging a retry (failed in-process attempt, shutdown, open
+        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked)."""
+        values: dict[str, object] = {"locked_until": until, "lock_token": None, "locked_by": None}
+        if error is not None:
+            values["last_error"] = error[:MAX_ERROR_LENGTH]
+        statement = sa.update(self.table).where(self._ours(ids, token)).values(**values).returning(self._c.id)
+        result = await session.exec(statement)
+        return {row[0] for row in result}
+
+    async def renew(
+        self, session: AsyncSession, row_id: uuid.UUID, token: uuid.UUID, until: datetime
+    ) -> bool:
+        """Extend the lease just before dispatch; False means the row is no longer ours."""
+        statement = (
+            sa.update(self.table)
+            .where(
+                self._c.id == row_id,
+                self._c.lock_token == token,
+                self._c.processed_on.is_(None),
+                self._c.dead_lettered_on.is_(None),
+            )
+            .values(locked_until=until)
+            .returning(self._c.id)
+        )
+        result = await session.exec(statement)
+        return result.first() is not None
+
+    async def record_failure(
+        self,
+        session: AsyncSession,
+        row_id: uuid.UUID,
+        token: uuid.UUID,
+        *,
+        now: datetime,
+        error: str,
+        retry_count: int,
+        retry_at: datetime,
+        dead_letter_reason: str | None,
+    ) -> bool:
+        """Charge one retry: re-lease for the backoff, or dead-letter with ``reason``."""
+        values: dict[str, object] = {
+            "retry_count": retry_count,
+            "last_error": error[:MAX_ERROR_LENGTH],
+            "lock_token": None,
+            "locked_by": None,
+        }
+        if dead_letter_reason is None:
+            # The row stays leased until the backoff ends, so its key stays blocked meanwhile.
+            values["locked_until"] = retry_at
+        else:
+            values |= {
+                "locked_until": None,
+                "dead_lettered_on": now,
+                "dead_letter_reason": dead_letter_reason,
+            }
+        statement = (
+            sa.update(self.table)
+            .where(self._c.id == row_id, self._c.lock_token == token)
+            .values(**values)
+            .returning(self._c.id)
+        )
+        result = await session.exec(statement)
+        return result.first() is not None
+
+
+def lease_until(now: datetime, lease_seconds: float) -> datetime:
+    return now + timedelta(seconds=lease_seconds)

@@ -1,0 +1,117 @@
+"""The polling core shared by the outbox and internal-command processors (the ADR's PollingLoop).
+
+A loop wakes on its in-process signal (a commit on this process, or a PostgreSQL NOTIFY from any
+replica), or after the fallback interval. After a cycle it
+
+* re-polls at once when the cycle made progress and either filled its batch or completed a
+  keyed row (whose key-mates may now be claimable), so an ordering key is not paced at one row
+  per poll;
+* otherwise smart-waits until the earliest *future* eligibility (a processing delay or a retry
+  backoff ending), capped by the fallback interval, so a retry runs on time rather than one
+  interval late;
+* never re-polls at once after a cycle that made no progress, so a batch that fails in full
+  cannot hot-spin.
+
+Idle cycles log nothing above DEBUG.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol
+
+from ..clock import Clock
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CycleResult:
+    """What one claim-and-deliver cycle achieved."""
+
+    claimed: int = 0
+    completed: int = 0
+    full_batch: bool = False
+    keyed_completed: bool = False
+
+    @property
+    def progressed(self) -> bool:
+        return self.completed > 0
+
+    @property
+    def poll_again_now(self) -> bool:
+        return self.progressed and (self.full_batch or self.keyed_completed)
+
+
+class PolledSource(Protocol):
+    """A table a processor drains."""
+
+    name: str
+
+    async def run_cycle(self) -> CycleResult:
+        """Claim one batch and deliver it."""
+        ...
+
+    async def next_due(self) -> datetime | None:
+        """When the next not-yet-eligible row becomes eligible (None when nothing waits)."""
+        ...
+
+
+class PollingLoop:
+    """Runs cycles of one source until cancelled."""
+
+    def __init__(
+        self,
+        source: PolledSource,
+        *,
+        wake: asyncio.Event,
+        interval_seconds: float,
+        clock: Clock,
+        on_cycle: Callable[[CycleResult], None] | None = None,
+    ) -> None:
+        self.source = source
+        self._wake = wake
+        self._interval = interval_seconds
+        self._clock = clock
+        self._on_cycle = on_cycle
+        self.cycles = 0
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            try:
+                result = await self.source.run_cycle()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s cycle failed; retrying after the polling interval", self.source.name)
+                result = CycleResult()
+                await self._sleep(self._interval)
+                continue
+            self.cycles += 1
+            if self._on_cycle is not None:
+                self._on_cycle(result)
+            if result.poll_again_now:
+                continue
+            await self._sleep(await self._smart_wait())
+
+    async def _smart_wait(self) -> float:
+        try:
+            due = await self.source.next_due()
+        except Exception:
+            log.exception("%s could not compute its next due time", self.source.name)
+            return self._interval
+        if due is None:
+            return self._interval
+        return max(0.0, min(self._interval, (due - self._clock()).total_seconds()))
+
+    async def _sleep(self, seconds: float) -> None:
+        if self._wake.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout=seconds)

@@ -1,0 +1,313 @@
+"""One table drained by one processor: claim a batch, then renew -> deliver -> record per row.
+
+This is the per-row half of the shared polling core; what "deliver" means is the only thing
+the outbox and the internal-command processors do differently (a :class:`Deliverer`).
+
+Outcomes, each written as soon as its row finishes, guarded by id and lock token:
+
+* delivered: stamped processed (or already stamped inside the handler's own transaction);
+* failed: ``retry_count + 1`` and ``last_error``; re-leased for the jittered backoff, or
+  dead-lettered with ``retries_exhausted`` at ``max_retries`` (an Error log names the row);
+* unresolvable name or malformed payload: retried once, then dead-lettered
+  (``type_unresolvable`` / ``malformed_payload``); ``max_retries=1`` means no retry at all;
+* circuit open (broker down): released until the breaker may close, no retry charged;
+* lease lost (the token no longer matches): logged and skipped, never overwritten.
+
+A database error while recording an outcome is not charged to the row: it fails the cycle and
+the row comes back when its lease ends. On shutdown (cancellation) nothing is charged: an
+interrupted delivery is released claimable, an outcome already earned is written within the
+shutdown timeout, and rows not reached are released untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import Awaitable
+from contextlib import suppress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Protocol
+
+import sqlalchemy as sa
+
+from ..clock import Clock
+from ..outbox.metrics import OutboxMetrics
+from ..persistence.database import Database
+from ..registry import MalformedPayloadError, UnknownMessageError
+from .claim import ClaimedRow, Claimer
+from .leases import (
+    MALFORMED_PAYLOAD,
+    RETRIES_EXHAUSTED,
+    TYPE_UNRESOLVABLE,
+    LeaseLostError,
+    LeaseStore,
+    backoff_seconds,
+)
+from .loop import CycleResult
+
+log = logging.getLogger(__name__)
+
+
+class Delivered(Enum):
+    """How a successful delivery left the row."""
+
+    NEEDS_STAMP = "needs_stamp"  # e.g. a broker confirmed the publish
+    STAMPED = "stamped"  # the handler's unit of work stamped it in its own transaction
+
+
+class CircuitOpenError(RuntimeError):
+    """The downstream is known to be down; try again at ``retry_at`` without charging."""
+
+    def __init__(self, retry_at: datetime) -> None:
+        super().__init__(f"circuit open until {retry_at.isoformat()}")
+        self.retry_at = retry_at
+
+
+class Deliverer(Protocol):
+    """Delivers one claimed row (raises on failure)."""
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered: ...
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    batch_size: int
+    claim_window: int
+    lease_seconds: float
+    max_retries: int
+    retry_backoff_base_seconds: float
+    shutdown_timeout_seconds: float
+
+
+class TableSource:
+    """A polled table: the claim, the per-row pipeline and the smart-wait query."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        table: sa.Table,
+        name_column: str,
+        settings: SourceSettings,
+        database: Database,
+        deliverer: Deliverer,
+        clock: Clock,
+        instance_id: str,
+        metrics: OutboxMetrics,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.name = name
+        self.table = table
+        self.settings = settings
+        self._db = database
+        self._deliverer = deliverer
+        self._clock = clock
+        self._instance_id = instance_id
+        self._metrics = metrics
+        self._rng = rng or random.Random()  # noqa: S311 (jitter spaces retries; no security use)
+        self._claimer = Claimer(table, name_column, batch=settings.batch_size, window=settings.claim_window)
+        self.leases = LeaseStore(table)
+
+    # -- the cycle -------------------------------------------------------------------------
+
+    async def claim(self, token: uuid.UUID) -> list[ClaimedRow]:
+        now = self._clock()
+        lease_until = now + timedelta(seconds=self.settings.lease_seconds)
+        async with self._db.session() as session:
+            rows = await self._claimer.claim(
+                session, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
+            )
+            await session.commit()
+        age = (now - rows[0].occurred_on).total_seconds() if rows else 0.0
+        self._metrics.oldest_pending_age.labels(self.name).set(max(age, 0.0))
+        return rows
+
+    async def run_cycle(self) -> CycleResult:
+        token = uuid.uuid4()
+        rows = await self.claim(token)
+        completed = 0
+        keyed_completed = False
+        for index, row in enumerate(rows):
+            try:
+                done = await self._process(row, token)
+            except asyncio.CancelledError:
+                # Token-guarded: rows whose outcome was already written no longer match.
+                await self._release_on_shutdown(rows[index:], token)
+                raise
+            if done:
+                completed += 1
+                keyed_completed = keyed_completed or row.ordering_key is not None
+        self._metrics.beat(self.name, self._clock())
+        if rows:
+            log.debug("%s: claimed %s, completed %s", self.name, len(rows), completed)
+        return CycleResult(
+            claimed=len(rows),
+            completed=completed,
+            full_batch=len(rows) >= self.settings.batch_size,
+            keyed_completed=keyed_completed,
+        )
+
+    async def _process(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+        """Renew, deliver, record; True when the row left the pending set (or was handled)."""
+        if not await self._renew(row, token):
+            self._lost(row, "before dispatch")
+            return False
+        try:
+            delivered = await self._deliverer.deliver(row, token)
+        except LeaseLostError:
+            self._lost(row, "while its handlers ran (their effects were rolled back)")
+            return False
+        except CircuitOpenError as open_circuit:
+            await self._write(self._release(row, token, open_circuit.retry_at))
+            return False
+        except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
+            await self._write(self._fail(row, token, error))
+            return True
+        if delivered is Delivered.NEEDS_STAMP:
+            await self._write(self._stamp(row, token))
+        else:
+            self._delivered(row)
+        return True
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    async def _renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+        until = self._clock() + timedelta(seconds=self.settings.lease_seconds)
+        async with self._db.session() as session:
+            ok = await self.leases.renew(session, row.id, token, until)
+            await session.commit()
+        return ok
+
+    async def _stamp(self, row: ClaimedRow, token: uuid.UUID) -> None:
+        async with self._db.session() as session:
+            stamped = await self.leases.stamp_processed(session, [row.id], token, self._clock())
+            await session.commit()
+        if stamped:
+            self._delivered(row)
+        else:
+            self._lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
+
+    def _delivered(self, row: ClaimedRow) -> None:
+        lag = (self._clock() - row.occurred_on).total_seconds()
+        self._metrics.dispatch_lag.labels(self.name).observe(max(lag, 0.0))
+        self._metrics.dispatched.labels(self.name, row.kind or "command").inc()
+
+    async def _release(self, row: ClaimedRow, token: uuid.UUID, until: datetime | None) -> None:
+        async with self._db.session() as session:
+            await self.leases.release(session, [row.id], token, until=until)
+            await session.commit()
+
+    def classify(self, row: ClaimedRow, error: BaseException) -> tuple[int, str | None]:
+        """The new retry count and, when the row is finished with, its dead-letter reason."""
+        attempt = row.retry_count + 1
+        limit = self.settings.max_retries
+        if isinstance(error, UnknownMessageError | MalformedPayloadError):
+            reason = TYPE_UNRESOLVABLE if isinstance(error, UnknownMessageError) else MALFORMED_PAYLOAD
+            # The first miss may be a module still loading; the second is terminal.
+            return attempt, reason if attempt >= min(2, limit) else None
+        return attempt, RETRIES_EXHAUSTED if attempt >= limit else None
+
+    async def _fail(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
+        attempt, reason = self.classify(row, error)
+        now = self._clock()
+        delay = backoff_seconds(
+            attempt,
+            base=self.settings.retry_backoff_base_seconds,
+            cap=self.settings.lease_seconds,
+            rng=self._rng,
+        )
+        message = f"{type(error).__name__}: {error}"
+        async with self._db.session() as session:
+            recorded = await self.leases.record_failure(
+                session,
+                row.id,
+                token,
+                now=now,
+                error=message,
+                retry_count=attempt,
+                retry_at=now + timedelta(seconds=delay),
+                dead_letter_reason=reason,
+            )
+            await session.commit()
+        if not recorded:
+            self._lost(row, "while recording its failure")
+            return
+        self._metrics.failures.labels(self.name).inc()
+        if reason is None:
+            log.warning(
+                "%s row %s (%s) failed attempt %s/%s, retrying in %.1fs: %s",
+                self.name,
+                row.id,
+                row.name,
+                attempt,
+                self.settings.max_retries,
+                delay,
+                message,
+            )
+            return
+        self._metrics.dead_letters.labels(self.name, reason).inc()
+        log.error(
+            "%s row %s (%s) dead-lettered (%s) after %s attempt(s): %s",
+            self.name,
+            row.id,
+            row.name,
+            reason,
+            attempt,
+            message,
+        )
+
+    def _lost(self, row: ClaimedRow, when: str) -> None:
+        self._metrics.lost_leases.labels(self.name).inc()
+        log.warning("%s row %s (%s): lease lost %s", self.name, row.id, row.name, when)
+
+    # -- shutdown --------------------------------------------------------------------------
+
+    async def _write(self, outcome: Awaitable[None]) -> None:
+        """Write an outcome; if shutdown interrupts, finish it within the shutdown timeout."""
+        await self._shielded(outcome, "outcome write", reraise=True)
+
+    async def _shielded(self, work: Awaitable[None], what: str, *, reraise: bool = False) -> None:
+        task = asyncio.ensure_future(work)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            try:
+                async with asyncio.timeout(self.settings.shutdown_timeout_seconds):
+                    await task
+            except Exception:
+                log.exception("%s: %s did not finish during shutdown", self.name, what)
+            raise
+        except Exception:
+            if reraise:
+                raise
+            log.exception("%s: %s failed", self.name, what)
+
+    async def _release_on_shutdown(self, rows: list[ClaimedRow], token: uuid.UUID) -> None:
+        if not rows:
+            return
+        with suppress(Exception):
+            async with asyncio.timeout(self.settings.shutdown_timeout_seconds):
+                async with self._db.session() as session:
+                    await self.leases.release(session, [row.id for row in rows], token)
+                    await session.commit()
+
+    # -- smart wait ------------------------------------------------------------------------
+
+    async def next_due(self) -> datetime | None:
+        """The earliest future moment a pending row becomes claimable (backoff or delay)."""
+        now = self._clock()
+        t = self.table.c
+        pending = sa.and_(t.processed_on.is_(None), t.dead_lettered_on.is_(None))
+        leased = sa.select(sa.func.min(t.locked_until)).where(pending, t.locked_until > now)
+        waiting = sa.select(sa.func.min(t.available_on)).where(
+            pending, t.locked_until.is_(None), t.available_on > now
+        )
+        async with self._db.session() as session:
+            first = (await session.exec(leased)).scalar_one_or_none()  # type: ignore[call-overload]
+            second = (await session.exec(waiting)).scalar_one_or_none()  # type: ignore[call-overload]
+        candidates = [d for d in (first, second) if d is not None]
+        return min(candidates) if candidates else None

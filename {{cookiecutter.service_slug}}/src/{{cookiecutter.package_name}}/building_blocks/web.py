@@ -1,0 +1,134 @@
+"""HTTP glue shared by every bounded context: the request context and error mapping.
+
+:class:`RequestContextMiddleware` reads ``X-Correlation-Id`` (validated, generated when absent,
+echoed on every response) and the bearer token, and sets the ambient request context for the
+request. A bad token does not fail the request by itself; endpoints that need an identity depend
+on :func:`authenticated`, which answers 401 with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.responses import JSONResponse
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .auth import InvalidTokenError, TokenService
+from .context import (
+    InvalidContextError,
+    RequestContext,
+    current_context,
+    new_correlation_id,
+    new_traceparent,
+    use_context,
+    validate_correlation_id,
+    validate_traceparent,
+)
+from .domain.errors import ConcurrencyError, DomainError, NotFoundError
+from .persistence.unit_of_work_factory import UnitOfWorkFactory
+
+log = logging.getLogger(__name__)
+CORRELATION_HEADER = "x-correlation-id"
+_TOKEN_ERROR = "token_error"  # noqa: S105 (a state key, not a secret)
+
+
+class RequestContextMiddleware:
+    """Pure ASGI middleware (works for streaming responses and keeps the contextvar scoped)."""
+
+    def __init__(self, app: ASGIApp, tokens: TokenService) -> None:
+        self.app = app
+        self.tokens = tokens
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            correlation_id = validate_correlation_id(headers.get(CORRELATION_HEADER) or new_correlation_id())
+            traceparent = validate_traceparent(headers.get("traceparent")) or new_traceparent()
+        except InvalidContextError as error:
+            response = JSONResponse({"detail": str(error)}, status_code=400)
+            await response(scope, receive, send)
+            return
+        context = RequestContext(correlation_id=correlation_id, traceparent=traceparent)
+        authorization = headers.get("authorization", "")
+        state = scope.setdefault("state", {})
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                state[_TOKEN_ERROR] = "Authorization must be 'Bearer <token>'"
+            else:
+                try:
+                    identity = self.tokens.verify(token.strip())
+                except InvalidTokenError as error:
+                    state[_TOKEN_ERROR] = str(error)
+                else:
+                    context = RequestContext(
+                        tenant_id=identity.tenant_id,
+                        user_id=identity.user_id,
+                        roles=identity.roles,
+                        correlation_id=correlation_id,
+                        traceparent=traceparent,
+                        authentication_type="bearer",
+                    )
+
+        async def send_with_correlation(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
+            await send(message)
+
+        with use_context(context):
+            await self.app(scope, receive, send_with_correlation)
+
+
+def authenticated(request: Request) -> RequestContext:
+    """FastAPI dependency: the caller's context, or 401 with the reason."""
+    context = current_context()
+    if not context.is_authenticated or context.tenant_id is None:
+        reason = request.scope.get("state", {}).get(_TOKEN_ERROR, "a bearer token is required")
+        raise HTTPException(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            detail=reason,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return context
+
+
+def require_role(role: str) -> Callable[[Request], RequestContext]:
+    """FastAPI dependency factory: 401 without identity, 403 without ``role``."""
+
+    def check(request: Request) -> RequestContext:
+        context = authenticated(request)
+        if not context.has_role(role):
+            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"role {role!r} required")
+        return context
+
+    return check
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Domain errors become JSON problems with stable codes, never tracebacks."""
+
+    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, DomainError)  # noqa: S101 (registered for DomainError only)
+        code = status.HTTP_409_CONFLICT
+        if isinstance(error, NotFoundError):
+            code = status.HTTP_404_NOT_FOUND
+        elif not isinstance(error, ConcurrencyError) and error.code == "invalid":
+            code = status.HTTP_422_UNPROCESSABLE_CONTENT
+        return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
+
+    app.add_exception_handler(DomainError, domain_error)
+
+
+def units_of_work(request: Request) -> UnitOfWorkFactory:
+    """FastAPI dependency: the factory the composition root put on the app."""
+    factory = request.app.state.units_of_work
+    if not isinstance(factory, UnitOfWorkFactory):
+        msg = "app.state.units_of_work is not set; build the app with entrypoints.app.create_app"
+        raise TypeError(msg)
+    return factory

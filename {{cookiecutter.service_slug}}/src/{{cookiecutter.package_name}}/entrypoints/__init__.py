@@ -1,0 +1,1 @@
+"""How the service is started: the HTTP app, the worker, and the command line."""

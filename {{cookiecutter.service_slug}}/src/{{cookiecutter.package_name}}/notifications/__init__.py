@@ -1,0 +1,1 @@
+"""Example consumer context: records a notification for each order event it receives."""

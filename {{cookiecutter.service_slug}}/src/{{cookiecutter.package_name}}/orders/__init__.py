@@ -1,0 +1,1 @@
+"""Example bounded context: orders. Copy its shape for your own contexts."""
