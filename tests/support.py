@@ -1,0 +1,65 @@
+"""Baking, installing and running generated services for the template's tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from cookiecutter.main import cookiecutter
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+UV = shutil.which("uv", path=str(BIN)) or shutil.which("uv")
+REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+
+
+def bake(output: Path, **answers: object) -> Path:
+    """Generate a service with the defaults overridden by ``answers``; return its folder."""
+    output.mkdir(parents=True, exist_ok=True)
+    return Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(output), extra_context=answers))
+
+
+def run(
+    command: list[str], cwd: Path, *, env: Mapping[str, str] | None = None, timeout: float = 900
+) -> subprocess.CompletedProcess[str]:
+    """Run a command, returning its result (stdout and stderr captured as text)."""
+    merged = {**os.environ, **(env or {})}
+    return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def check(command: list[str], cwd: Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    result = run(command, cwd, **kwargs)  # type: ignore[arg-type]
+    if result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)} failed ({result.returncode}) in {cwd}\n"
+            f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def install(project: Path) -> Path:
+    """Create ``.venv`` in a baked project with its dev extras (uv when available)."""
+    venv = project / ".venv"
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    if UV:
+        check([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], project)
+        check([UV, "pip", "install", "--quiet", "--python", str(python), "-e", ".[dev]"], project)
+    else:
+        check([sys.executable, "-m", "venv", str(venv)], project)
+        check([str(python), "-m", "pip", "install", "--quiet", "-e", ".[dev]"], project)
+    return python
+
+
+def text_files(root: Path) -> list[Path]:
+    skip = {".venv", ".git", "__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"}
+    found = []
+    for path in root.rglob("*"):
+        if path.is_file() and not skip.intersection(path.relative_to(root).parts):
+            found.append(path)
+    return found

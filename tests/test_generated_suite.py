@@ -1,0 +1,41 @@
+"""Tier 3, generated suite: a baked service installs into its own virtual environment and its
+own test suite passes (default broker and another one); its migrations are consistent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .support import REQUIRE_SERVICES, bake, check, install
+
+pytestmark = pytest.mark.generated
+
+
+def _service_env() -> dict[str, str]:
+    return {"REQUIRE_SERVICES": "1"} if REQUIRE_SERVICES else {}
+
+
+@pytest.mark.parametrize("answers", [{}, {"broker": "nats"}], ids=["rabbitmq-default", "nats"])
+def test_generated_test_suite_passes(tmp_path: Path, answers: dict[str, str]) -> None:
+    project = bake(tmp_path, **answers)
+    python = install(project)
+    result = check([str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
+                   project, env=_service_env(), timeout=1500)
+    print(result.stdout[-3000:])  # the summary shows what ran and what was skipped, and why
+
+
+def test_generated_slow_tiers_pass(tmp_path: Path) -> None:
+    """The reliability and slow tiers (several real processes) of the default bake."""
+    project = bake(tmp_path)
+    python = install(project)
+    result = check([str(python), "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider"],
+                   project, env=_service_env(), timeout=1500)
+    print(result.stdout[-3000:])
+
+
+def test_service_without_example_passes_its_suite(tmp_path: Path) -> None:
+    project = bake(tmp_path, include_example=False)
+    python = install(project)
+    check([str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
+          project, env=_service_env(), timeout=1500)

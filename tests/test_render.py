@@ -1,0 +1,92 @@
+"""Tier 1, render: every option bakes into a clean, lint-free, strictly typed project."""
+
+from __future__ import annotations
+
+import compileall
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .conftest import VARIANTS
+from .support import check, install, text_files
+
+pytestmark = pytest.mark.render
+LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
+EXAMPLE_PATHS = (
+    "src/order_service/orders",
+    "src/order_service/notifications",
+    "src/order_service/contracts/orders.py",
+    "migrations/versions/0002_example_contexts.py",
+)
+
+
+@pytest.fixture(scope="session")
+def shared_python(bakes: dict[str, Path]) -> Path:
+    """One environment for the static checks: the dependency list has no template branches,
+    so every variant type-checks against the same installed packages."""
+    return install(bakes["default"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_no_template_syntax_is_left(bakes: dict[str, Path], variant: str) -> None:
+    offenders = []
+    for path in text_files(bakes[variant]):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            continue
+        if LEFTOVER.search(text):
+            offenders.append(str(path.relative_to(bakes[variant])))
+    assert offenders == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_config_files_parse(bakes: dict[str, Path], variant: str) -> None:
+    project = bakes[variant]
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    assert pyproject["project"]["name"] == "order-service"
+    assert pyproject["tool"]["mypy"]["strict"] is True
+    compose = yaml.safe_load((project / "docker-compose.yml").read_text())
+    assert {"postgres", "migrator", "api", "worker"} <= set(compose["services"])
+    workflow = yaml.safe_load((project / ".github/workflows/ci.yml").read_text())
+    assert "jobs" in workflow
+    assert (project / ".env").read_text() == (project / ".env.example").read_text()
+    assert compileall.compile_dir(project / "src", quiet=1, force=True)
+    assert compileall.compile_dir(project / "tests", quiet=1, force=True)
+
+
+@pytest.mark.parametrize("broker", ["rabbitmq", "kafka", "nats", "redis"])
+def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: str) -> None:
+    """Every transport stays available at run time: the answer changes no Python file."""
+    project = bakes["default" if broker == "rabbitmq" else broker]
+    compose = yaml.safe_load((project / "docker-compose.yml").read_text())
+    assert broker in compose["services"]
+    assert f"# inprocess | rabbitmq | kafka | nats | redis   (this template's broker default: {broker})" in (
+        project / ".env.example"
+    ).read_text()
+    default = bakes["default"]
+    for path in (default / "src").rglob("*.py"):
+        if path.name != "about.py":
+            assert path.read_text() == (project / path.relative_to(default)).read_text(), path
+
+
+def test_example_off_removes_the_example(bakes: dict[str, Path]) -> None:
+    for relative in EXAMPLE_PATHS:
+        assert (bakes["default"] / relative).exists(), relative
+        assert not (bakes["no-example"] / relative).exists(), relative
+    leftovers = [p.name for p in (bakes["no-example"] / "tests").rglob("test_example_*.py")]
+    assert leftovers == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ruff_mypy_and_import_contracts(bakes: dict[str, Path], shared_python: Path, variant: str) -> None:
+    project = bakes[variant]
+    bin_dir = shared_python.parent
+    check([str(bin_dir / "ruff"), "check", "."], project)
+    check([str(bin_dir / "ruff"), "format", "--check", "."], project)
+    cache = shared_python.parents[2] / ".mypy_cache"
+    check([str(bin_dir / "mypy"), "--cache-dir", str(cache)], project)
+    check([str(bin_dir / "lint-imports")], project, env={"PYTHONPATH": str(project / "src")})
