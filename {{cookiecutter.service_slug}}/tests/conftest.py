@@ -1,0 +1,260 @@
+"""Fixtures shared by every tier.
+
+Services. Tests that need PostgreSQL or a broker carry a marker (``postgres``, ``rabbitmq``,
+``nats``, ``redis``). When the service does not answer, they are skipped with the reason, or
+fail when ``REQUIRE_SERVICES=1`` (CI). Addresses come from ``TEST_POSTGRES_URL``,
+``TEST_RABBITMQ_URL``, ``TEST_NATS_URL`` and ``TEST_REDIS_URL``.
+
+Isolation. Every test gets its own database: a copy of a migrated SQLite file, or a fresh
+PostgreSQL database per test session whose tables are emptied before each test. Broker names
+get a namespace unique to the test, so runs never see each other's messages.
+
+Hermeticity. Settings are built explicitly; the service's own environment variables and its
+``.env`` are ignored, so a developer's local configuration cannot change a test's outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+from datetime import UTC, datetime, timedelta
+from urllib.parse import urlparse
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlmodel import SQLModel
+
+from {{ cookiecutter.package_name }}.building_blocks.context import RequestContext, use_context
+from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.entrypoints import migrations
+from {{ cookiecutter.package_name }}.settings import Settings
+
+for _name in list(os.environ):
+    if re.match(r"(ENVIRONMENT$|APPLICATION__|DATABASE__|MESSAGE_BUS__|OUTBOX__|INBOX__|AUTH__|API__|LOGGING__)", _name):
+        del os.environ[_name]
+
+REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+SERVICE_URLS = {
+    "postgres": os.environ.get("TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"),
+    "rabbitmq": os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    "nats": os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222"),
+    "redis": os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379"),
+}
+T = TypeVar("T")
+DEFAULT_PORTS = {"postgres": 5432, "rabbitmq": 5672, "nats": 4222, "redis": 6379}
+_reachable: dict[str, bool] = {}
+
+
+def service_reachable(name: str) -> bool:
+    if name not in _reachable:
+        url = urlparse(SERVICE_URLS[name].replace("postgresql+asyncpg", "postgresql"))
+        try:
+            with socket.create_connection((url.hostname or "127.0.0.1", url.port or DEFAULT_PORTS[name]), 1.0):
+                _reachable[name] = True
+        except OSError:
+            _reachable[name] = False
+    return _reachable[name]
+
+
+@pytest.fixture(autouse=True)
+def _services_available(request: pytest.FixtureRequest) -> None:
+    for name in SERVICE_URLS:
+        if request.node.get_closest_marker(name) is None or service_reachable(name):
+            continue
+        message = f"{name} is not reachable at {SERVICE_URLS[name]}"
+        if REQUIRE_SERVICES:
+            pytest.fail(f"{message} and REQUIRE_SERVICES=1")
+        pytest.skip(f"{message} (start it, or set TEST_{name.upper()}_URL)")
+
+
+# -- databases -------------------------------------------------------------------------------
+
+
+def in_thread(function: Callable[..., T], *args: object) -> T:
+    """Run blocking set-up code (Alembic's env, ``asyncio.run``) on a thread of its own, so it
+    never touches the event loop the tests share."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(function, *args).result()
+
+
+def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
+    return in_thread(asyncio.run, coroutine)
+
+
+def migrate(url: str) -> None:
+    in_thread(migrations.upgrade, url)
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A migrated SQLite file, copied for every test that needs a fresh database."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    migrate(f"sqlite+aiosqlite:///{path}")
+    return path
+
+
+async def _admin(statement: str) -> None:
+    engine = create_async_engine(SERVICE_URLS["postgres"], isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(sa.text(statement))
+    finally:
+        await engine.dispose()
+
+
+def create_postgres_database() -> str:
+    """A new, empty PostgreSQL database (not migrated); returns its URL."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    run_async(_admin(f'CREATE DATABASE "{name}"'))
+    return SERVICE_URLS["postgres"].rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_postgres_database(url: str) -> None:
+    run_async(_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def postgres_database() -> Iterator[str]:
+    """One fresh PostgreSQL database for the session, migrated; dropped at the end."""
+    if not service_reachable("postgres"):
+        pytest.skip("postgres is not reachable")
+    url = create_postgres_database()
+    migrate(url)
+    yield url
+    drop_postgres_database(url)
+
+
+async def _truncate(url: str) -> None:
+    tables = ", ".join(f'"{t.name}"' for t in SQLModel.metadata.sorted_tables)
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    finally:
+        await engine.dispose()
+
+
+def fresh_sqlite(tmp_path: Path, template: Path) -> str:
+    path = tmp_path / "service.db"
+    shutil.copyfile(template, path)
+    return f"sqlite+aiosqlite:///{path}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, migrated database: every test using it runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        return fresh_sqlite(tmp_path, request.getfixturevalue("sqlite_template"))
+    url: str = request.getfixturevalue("postgres_database")
+    run_async(_truncate(url))
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    return fresh_sqlite(tmp_path, sqlite_template)
+
+
+@pytest.fixture
+def postgres_url(postgres_database: str) -> str:
+    run_async(_truncate(postgres_database))
+    return postgres_database
+
+
+# -- settings and containers ----------------------------------------------------------------
+
+TEST_SIGNING_KEYS = {"test": "test-signing-secret"}
+
+
+def make_settings(database_url: str, **sections: dict[str, Any]) -> Settings:
+    """Settings for a test: outbox and inbox on, signed headers, quick timings."""
+    values: dict[str, dict[str, Any]] = {
+        "application": {"namespace": f"t{uuid.uuid4().hex[:10]}", "instance_id": "test-processor"},
+        "database": {"url": database_url},
+        "message_bus": {
+            "enable_outbox": True,
+            "enable_inbox": True,
+            "signing_keys": TEST_SIGNING_KEYS,
+            "signing_key_id": "test",
+        },
+        "outbox": {"polling_interval_seconds": 0.2, "cleanup_interval_seconds": 3600},
+        "logging": {"level": "WARNING"},
+    }
+    for section, overrides in sections.items():
+        values[section] = {**values.get(section, {}), **overrides}
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+ContainerFactory = Callable[..., Container]
+
+
+@pytest.fixture
+async def make_container(database_url: str) -> AsyncIterator[ContainerFactory]:
+    """Build containers on the test's database; their engines are disposed afterwards."""
+    built: list[Container] = []
+
+    def factory(**sections: dict[str, Any]) -> Container:
+        container = build_container(make_settings(database_url, **sections))
+        built.append(container)
+        return container
+
+    yield factory
+    for container in built:
+        await container.database().dispose()
+
+
+@pytest.fixture
+async def container(make_container: ContainerFactory) -> Container:
+    return make_container()
+
+
+@contextmanager
+def acting_as(
+    tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ("clerk",), correlation_id: str = "corr-1"
+) -> Iterator[RequestContext]:
+    """Run a block as a given caller (what the API middleware does for a request)."""
+    context = RequestContext(
+        tenant_id=tenant,
+        user_id=user,
+        roles=roles,
+        correlation_id=correlation_id,
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        authentication_type="test",
+    )
+    with use_context(context) as active:
+        yield active
+
+
+async def fetch(container: Container, statement: Any) -> list[Any]:  # noqa: ANN401
+    """Rows of ``statement`` read in a fresh session."""
+    async with container.database().session() as session:
+        return list((await session.exec(statement)).all())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class FakeClock:
+    """A clock tests move by hand (the processor takes its time only from its clock)."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.now = start or datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)

@@ -1,0 +1,90 @@
+"""Helpers for driving a processor source by hand in tests."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import Delivered, SourceSettings, TableSource
+from {{ cookiecutter.package_name }}.container import Container, source_settings
+
+from ..conftest import FakeClock
+
+
+@dataclass
+class ScriptedDeliverer:
+    """Delivers by running ``script(row)``; records what it was asked to deliver."""
+
+    script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
+    delivered: list[ClaimedRow] = field(default_factory=list)
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+        del token
+        self.delivered.append(row)
+        if self.script is not None:
+            return await self.script(row)
+        return Delivered.NEEDS_STAMP
+
+
+def outbox_source(
+    container: Container, deliverer: Any, clock: FakeClock | None = None, **overrides: Any  # noqa: ANN401
+) -> TableSource:
+    settings = source_settings(container.settings())
+    values = {**settings.__dict__, **overrides}
+    return TableSource(
+        name="outbox",
+        table=OUTBOX_TABLE,
+        name_column="event_name",
+        settings=SourceSettings(**values),
+        database=container.database(),
+        deliverer=deliverer,
+        clock=clock or container.clock(),
+        instance_id="processor-a",
+        metrics=container.metrics(),
+    )
+
+
+async def insert_rows(container: Container, rows: list[dict[str, Any]]) -> list[uuid.UUID]:
+    """Insert raw outbox rows (seq assigned in list order)."""
+    ids = []
+    async with container.database().session() as session:
+        for values in rows:
+            row_id = values.pop("id", None) or uuid.uuid4()
+            ids.append(row_id)
+            statement = sa.insert(OUTBOX_TABLE).values(id=row_id, **values)
+            if container.database().dialect != "postgresql":
+                next_seq = sa.select(sa.func.coalesce(sa.func.max(OUTBOX_TABLE.c.seq), 0) + 1)
+                statement = statement.values(seq=next_seq.scalar_subquery())
+            await session.exec(statement)  # type: ignore[call-overload]
+        await session.commit()
+    return ids
+
+
+def row(name: str, at: datetime, key: str | None = None, kind: str = "integration", **extra: Any) -> dict[str, Any]:  # noqa: ANN401
+    return {
+        "event_name": name,
+        "kind": kind,
+        "payload": extra.pop("payload", {}),
+        "occurred_on": at,
+        "available_on": at,
+        "ordering_key": key,
+        "retry_count": 0,
+        **extra,
+    }
+
+
+async def state(container: Container, row_id: uuid.UUID) -> Any:  # noqa: ANN401
+    async with container.database().session() as session:
+        return (await session.exec(sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.id == row_id))).one()  # type: ignore[call-overload]
+
+
+async def all_rows(container: Container) -> list[Any]:
+    async with container.database().session() as session:
+        return list((await session.exec(sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))).all())  # type: ignore[call-overload]

@@ -1,0 +1,327 @@
+"""The delivery side (issue: processor), on SQLite and PostgreSQL, driven by a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import PollingLoop
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import CircuitOpenError, Delivered
+from {{ cookiecutter.package_name }}.container import Container
+
+from ..conftest import FakeClock, acting_as
+from ..kit import Counter, Counters, Created, install_kit
+from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
+
+pytestmark = pytest.mark.integration
+
+
+async def fail(row_: ClaimedRow) -> Delivered:
+    msg = f"broker said no to {row_.name}"
+    raise ConnectionError(msg)
+
+
+async def test_a_claimed_row_is_leased_to_exactly_one_claimer(container: Container) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
+    first = await outbox_source(container, ScriptedDeliverer(), clock).claim(uuid.uuid4())
+    second = await outbox_source(container, ScriptedDeliverer(), clock).claim(uuid.uuid4())
+    assert sorted(r.id for r in first) == sorted(ids)
+    assert second == []
+
+
+async def test_failures_back_off_with_jitter_and_dead_letter_after_exactly_max_retries(
+    container: Container, caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    deliverer = ScriptedDeliverer(fail)
+    source = outbox_source(container, deliverer, clock, max_retries=3, retry_backoff_base_seconds=10, lease_seconds=300)
+    for attempt, nominal in ((1, 10), (2, 20)):
+        await source.run_cycle()
+        current = await state(container, row_id)
+        assert current.retry_count == attempt
+        assert "broker said no" in current.last_error
+        wait = (current.locked_until - clock.now).total_seconds()
+        assert nominal * 0.8 <= wait <= nominal * 1.2
+        assert current.lock_token is None  # backing off, not leased
+        assert (await source.claim(uuid.uuid4())) == []  # not before the backoff ends
+        clock.advance(wait + 0.001)
+    with caplog.at_level(logging.ERROR):
+        await source.run_cycle()
+    final = await state(container, row_id)
+    assert (final.retry_count, final.dead_letter_reason) == (3, "retries_exhausted")
+    assert final.dead_lettered_on is not None
+    assert f"{row_id}" in caplog.text
+    assert "dead-lettered (retries_exhausted)" in caplog.text
+    assert len(deliverer.delivered) == 3
+    counter = container.metrics().dead_letters.labels("outbox", "retries_exhausted")
+    assert counter._value.get() == 1  # noqa: SLF001
+
+
+async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.never-registered.v1", clock.now)])
+    source = outbox_source(container, container.outbox_deliverer(), clock)
+    await source.run_cycle()
+    first = await state(container, row_id)
+    assert (first.retry_count, first.dead_lettered_on) == (1, None)
+    assert "no registered message is named 'kit.never-registered.v1'" in first.last_error
+    clock.advance(3600)
+    await source.run_cycle()
+    second = await state(container, row_id)
+    assert second.dead_letter_reason == "type_unresolvable"
+
+
+async def test_max_retries_one_means_no_retry_even_for_unresolvable(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.never-registered.v1", clock.now)])
+    await outbox_source(container, container.outbox_deliverer(), clock, max_retries=1).run_cycle()
+    assert (await state(container, row_id)).dead_letter_reason == "type_unresolvable"
+
+
+async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(container: Container) -> None:
+    clock = FakeClock()
+    first_id, second_id = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
+    thief = uuid.uuid4()
+    renewed: list[Any] = []
+
+    async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
+        renewed.append((await state(container, claimed.id)).locked_until)
+        async with container.database().session() as session:  # another replica took row 2
+            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE  # noqa: PLC0415
+
+            await session.exec(  # type: ignore[call-overload]
+                OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == second_id).values(lock_token=thief)
+            )
+            await session.commit()
+        return Delivered.NEEDS_STAMP
+
+    deliverer = ScriptedDeliverer(slow_then_steal)
+    source = outbox_source(container, deliverer, clock, lease_seconds=60)
+    claimed = await source.claim(uuid.uuid4())
+    clock.advance(50)  # most of the claim lease is gone when the row's turn comes
+    for item in claimed:
+        await source._process(item, claimed_token(item, source))  # noqa: SLF001
+    assert [r.id for r in deliverer.delivered] == [first_id]
+    assert renewed[0] == clock.now + timedelta(seconds=60)
+    assert (await state(container, first_id)).processed_on is not None
+    lost = await state(container, second_id)
+    assert (lost.lock_token, lost.processed_on) == (thief, None)
+
+
+def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:  # noqa: ANN401
+    return source.last_token  # set by the claim helper below
+
+
+@pytest.fixture(autouse=True)
+def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource  # noqa: PLC0415
+
+    original = TableSource.claim
+
+    async def claim(self: TableSource, token: uuid.UUID) -> list[ClaimedRow]:
+        self.last_token = token  # type: ignore[attr-defined]
+        return await original(self, token)
+
+    monkeypatch.setattr(TableSource, "claim", claim)
+
+
+async def test_an_outcome_lands_after_an_expired_but_unclaimed_lease(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+
+    async def outlives_the_lease(_row: ClaimedRow) -> Delivered:
+        clock.advance(120)
+        return Delivered.NEEDS_STAMP
+
+    await outbox_source(container, ScriptedDeliverer(outlives_the_lease), clock, lease_seconds=30).run_cycle()
+    assert (await state(container, row_id)).processed_on is not None
+
+
+async def test_a_keyed_row_waits_for_its_head_and_a_batch_holds_one_row_per_key(container: Container) -> None:
+    clock = FakeClock()
+    keyed = await insert_rows(container, [row("kit.k.v1", clock.now, key="order-1") for _ in range(4)])
+    keyless = await insert_rows(container, [row("kit.free.v1", clock.now) for _ in range(3)])
+    other = await insert_rows(container, [row("kit.k.v1", clock.now, key="order-2")])
+    claimed = await outbox_source(container, ScriptedDeliverer(), clock, batch_size=10).claim(uuid.uuid4())
+    assert sorted(r.id for r in claimed) == sorted([keyed[0], *keyless, *other])
+
+
+async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(container: Container) -> None:
+    clock = FakeClock()
+    poison, *rest = await insert_rows(container, [row("kit.k.v1", clock.now, key="k") for _ in range(3)])
+
+    async def poison_fails(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == poison:
+            raise ValueError("poison")
+        return Delivered.NEEDS_STAMP
+
+    deliverer = ScriptedDeliverer(poison_fails)
+    source = outbox_source(container, deliverer, clock, max_retries=2, retry_backoff_base_seconds=1)
+    for _ in range(6):
+        await source.run_cycle()
+        clock.advance(2)
+    order = [r.id for r in deliverer.delivered]
+    assert order == [poison, poison, *rest]
+    assert (await state(container, poison)).dead_letter_reason == "retries_exhausted"
+
+
+async def test_a_hot_key_does_not_starve_unrelated_rows(container: Container) -> None:
+    clock = FakeClock()
+    await insert_rows(container, [row("kit.hot.v1", clock.now, key="hot") for _ in range(2000)])
+    unrelated = set(await insert_rows(container, [row("kit.cold.v1", clock.now, key=f"k{i % 10}") for i in range(50)]))
+    unrelated |= set(await insert_rows(container, [row("kit.free.v1", clock.now) for _ in range(50)]))
+    deliverer = ScriptedDeliverer()
+    source = outbox_source(container, deliverer, clock, batch_size=50)
+    cycles = 0
+    while not unrelated <= {r.id for r in deliverer.delivered}:
+        await source.run_cycle()
+        cycles += 1
+        assert cycles <= 12, "unrelated rows waited behind the hot key"
+    hot_delivered = sum(1 for r in deliverer.delivered if r.ordering_key == "hot")
+    assert hot_delivered <= cycles  # one hot row per cycle: strict order, never a full batch
+
+
+async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    reopen = clock.now + timedelta(seconds=30)
+
+    async def circuit_open(_row: ClaimedRow) -> Delivered:
+        raise CircuitOpenError(reopen)
+
+    await outbox_source(container, ScriptedDeliverer(circuit_open), clock).run_cycle()
+    paused = await state(container, row_id)
+    assert (paused.retry_count, paused.last_error, paused.lock_token) == (0, None, None)
+    assert paused.locked_until == reopen
+
+
+async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(container: Container) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
+    second_started = asyncio.Event()
+
+    async def hangs_on_the_second(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == ids[1]:
+            second_started.set()
+            await asyncio.Event().wait()  # interrupted by the shutdown
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(hangs_on_the_second), clock)
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(second_started.wait(), 10)
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    done, interrupted, unreached = [await state(container, i) for i in ids]
+    assert done.processed_on is not None
+    for untouched in (interrupted, unreached):
+        assert (untouched.processed_on, untouched.lock_token, untouched.locked_until) == (None, None, None)
+        assert (untouched.retry_count, untouched.last_error) == (0, None)
+
+
+async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    original = source.leases.stamp_processed
+    writing = asyncio.Event()
+
+    async def slow_stamp(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+        writing.set()
+        await asyncio.sleep(0.3)
+        return await original(*args, **kwargs)
+
+    source.leases.stamp_processed = slow_stamp  # type: ignore[method-assign]
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(writing.wait(), 10)
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert (await state(container, row_id)).processed_on is not None
+
+
+async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: Container) -> None:
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
+    attempts: list[float] = []
+
+    async def fails_once(_row: ClaimedRow) -> Delivered:
+        attempts.append(time.monotonic())
+        if len(attempts) == 1:
+            raise ConnectionError("first attempt fails")
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(fails_once), retry_backoff_base_seconds=0.5)
+    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=30, clock=container.clock())
+    task = asyncio.create_task(loop.run())
+    try:
+        deadline = time.monotonic() + 10
+        while len(attempts) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+    assert len(attempts) == 2, "the retry waited for the 30 s fallback interval"
+    gap = attempts[1] - attempts[0]
+    assert 0.4 <= gap < 2.0
+    assert (await state(container, row_id)).processed_on is not None
+    assert loop.cycles <= 6  # woke for the retry, no busy loop meanwhile
+
+
+async def test_a_batch_that_makes_no_progress_does_not_hot_spin(container: Container) -> None:
+    await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
+    source = outbox_source(container, ScriptedDeliverer(fail), retry_backoff_base_seconds=60)
+    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=0.25, clock=container.clock())
+    task = asyncio.create_task(loop.run())
+    await asyncio.sleep(1.0)
+    task.cancel()
+    assert loop.cycles <= 6
+
+
+async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(
+    container: Container, caplog: pytest.LogCaptureFixture
+) -> None:
+    kit = await install_kit(container)
+    clock = FakeClock()
+    payload = container.registry().dump(Created(aggregate_id="c", tenant_id="acme"))
+    ids = await insert_rows(container, [row("kit.created.v1", clock.now, kind="domain", payload=payload) for _ in range(2)])
+    with caplog.at_level(logging.WARNING):
+        await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
+    assert [(await state(container, i)).processed_on is not None for i in ids] == [True, True]
+    assert caplog.text.count("no handler for it is registered on this host") == 1
+    del kit
+
+
+async def test_the_processor_delivers_local_events_under_the_rows_context(container: Container) -> None:
+    kit = await install_kit(container)
+    seen: list[tuple[str | None, str | None, str | None]] = []
+
+    async def who(event: Created, uow: Any) -> None:  # noqa: ANN401
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+
+        context = current_context()
+        seen.append((context.tenant_id, context.user_id, context.authentication_type))
+
+    container.dispatcher().dispatch_committed = _no_dispatch  # type: ignore[method-assign]
+    kit.on(Created, who)
+    for tenant in ("acme", "globex"):
+        with acting_as(tenant=tenant, user=f"user-of-{tenant}"):
+            async with container.units_of_work()() as uow:
+                uow.repository(Counters).add(Counter.create(tenant))
+                await uow.commit()
+    clock = FakeClock(container.clock()() + timedelta(seconds=1000))  # past lease and delay
+    with acting_as(tenant="intruder", user="nobody"):
+        await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
+    assert seen == [("acme", "user-of-acme", "outbox"), ("globex", "user-of-globex", "outbox")]
+    assert all(r.processed_on is not None for r in await all_rows(container))
+
+
+async def _no_dispatch(*_args: Any, **_kwargs: Any) -> None:
+    return None

@@ -1,0 +1,301 @@
+"""The write side of the outbox (issue: write path), on SQLite and PostgreSQL.
+
+Every line of the unit of work's contract has a test here that fails if the behaviour breaks.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+from sqlmodel import select
+
+from {{ cookiecutter.package_name }}.building_blocks.domain import ConcurrencyError, NotFoundError
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE, OutboxWriter
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import InternalCommand, OutboxMessage
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import Claimer
+from {{ cookiecutter.package_name }}.container import Container
+
+from ..conftest import ContainerFactory, acting_as, fetch
+from ..kit import COUNTERS, Counter, CounterChangedV1, Counters, Created, Incremented, Kit, RecordEffect, install_kit
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def kit(container: Container) -> Kit:
+    return await install_kit(container)
+
+
+async def outbox(container: Container) -> list[Any]:
+    return await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
+
+
+async def place(kit: Kit, *, increments: int = 0) -> Counter:
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            counter = Counter.create("acme")
+            for _ in range(increments):
+                counter.increment()
+            uow.repository(Counters).add(counter)
+            await uow.commit()
+    return counter
+
+
+async def test_commit_writes_one_row_per_event_with_stable_names(kit: Kit) -> None:
+    await place(kit, increments=2)
+    rows = await outbox(kit.container)
+    assert [r.event_name for r in rows] == ["kit.created.v1", "kit.incremented.v1", "kit.incremented.v1"]
+    assert [r.kind for r in rows] == ["domain"] * 3
+    assert len({r.seq for r in rows}) == 3
+    assert all(r.ordering_key == rows[0].ordering_key for r in rows)
+
+
+async def test_rollback_leaves_nothing_behind(kit: Kit) -> None:
+    with acting_as(), pytest.raises(RuntimeError, match="business failure"):
+        async with kit.container.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("acme"))
+            uow.enqueue(CounterChangedV1(counter_id="c", value=1))
+            uow.schedule(RecordEffect(label="never"))
+            msg = "business failure"
+            raise RuntimeError(msg)
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("acme"))
+            await uow.rollback()
+    assert await outbox(kit.container) == []
+    assert await fetch(kit.container, sa.select(COUNTERS)) == []
+    assert await fetch(kit.container, select(InternalCommand)) == []
+
+
+class FailOnceAfterInserting(OutboxWriter):
+    """Writes the rows, then fails like a serialization failure (the transaction rolls back)."""
+
+    failures = 0
+
+    async def write(self, session: Any, capture: Any) -> Any:  # noqa: ANN401
+        written = await super().write(session, capture)
+        if self.failures == 0:
+            self.failures += 1
+            raise OperationalError("COMMIT", {}, Exception("database is locked"))
+        return written
+
+
+async def test_a_retried_operation_writes_exactly_one_row_per_event(kit: Kit) -> None:
+    units = kit.container.units_of_work()
+    failing = FailOnceAfterInserting.__new__(FailOnceAfterInserting)
+    failing.__dict__.update(units.writer.__dict__)
+    units.writer = failing
+    counter = Counter.create("acme")  # raised outside the operation: pending across attempts
+    counter.increment()
+    attempts = 0
+
+    async def operation(uow: UnitOfWork) -> None:
+        nonlocal attempts
+        attempts += 1
+        uow.repository(Counters).add(counter)
+
+    with acting_as():
+        await units().run(operation)
+    assert attempts == 2
+    rows = await outbox(kit.container)
+    assert [r.event_name for r in rows] == ["kit.created.v1", "kit.incremented.v1"]
+    assert counter.pending_events == ()
+    assert counter.version == 1
+
+
+async def test_commit_removes_exactly_the_captured_events(kit: Kit) -> None:
+    units = kit.container.units_of_work()
+    counter = Counter.create("acme")
+
+    class RaisesDuringCommit(OutboxWriter):
+        async def write(self, session: Any, capture: Any) -> Any:  # noqa: ANN401
+            counter.increment()  # a handler raising on the same aggregate mid-save
+            return await super().write(session, capture)
+
+    writer = RaisesDuringCommit.__new__(RaisesDuringCommit)
+    writer.__dict__.update(units.writer.__dict__)
+    units.writer = writer
+    with acting_as():
+        async with units() as uow:
+            uow.repository(Counters).add(counter)
+            await uow.commit()
+    assert [type(e) for e in counter.pending_events] == [Incremented]
+    assert [r.event_name for r in await outbox(kit.container)] == ["kit.created.v1"]
+
+
+async def test_context_is_captured_on_every_row_and_roles_are_capped(kit: Kit) -> None:
+    roles = tuple(f"role-number-{i:03d}" for i in range(60))
+    with acting_as(tenant="globex", user="bob", roles=roles, correlation_id="corr-77"):
+        async with kit.container.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("globex"))
+            uow.enqueue(CounterChangedV1(counter_id="c-1", value=1))
+            uow.schedule(RecordEffect(label="later"))
+            await uow.commit()
+    rows = [*await outbox(kit.container), *await fetch(kit.container, select(InternalCommand))]
+    assert len(rows) == 3
+    for row in rows:
+        assert (row.tenant_id, row.user_id, row.correlation_id) == ("globex", "bob", "corr-77")
+        assert row.trace_context.startswith("00-" + "a" * 32)
+        assert 0 < len(row.user_roles) <= 512
+        assert row.user_roles.split(",") == list(roles[: len(row.user_roles.split(","))])
+
+
+async def test_local_rows_are_leased_at_insert_and_integration_rows_are_not(kit: Kit) -> None:
+    observed: list[Any] = []
+
+    async def peek(event: Created, uow: UnitOfWork) -> None:
+        observed.extend(await outbox(kit.container))  # another session, while dispatching
+
+    kit.on(Created, peek)
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("acme"))
+            uow.enqueue(CounterChangedV1(counter_id="c-1", value=1))
+            now = uow.now
+            await uow.commit()
+    by_kind = {row.kind: row for row in observed}
+    local, integration = by_kind["domain"], by_kind["integration"]
+    lease = kit.container.settings().outbox.lease_seconds
+    assert local.lock_token is not None
+    assert local.locked_until >= now + timedelta(seconds=lease - 5)
+    assert local.locked_by == "test-processor"
+    assert integration.lock_token is None
+    assert integration.locked_until is None
+    assert integration.available_on <= local.available_on  # no processing delay for integration
+
+
+async def test_handler_effects_and_processed_stamp_commit_together(kit: Kit) -> None:
+    kit.on(Created, kit.recording("projector"))
+    await place(kit)
+    (row,) = await outbox(kit.container)
+    assert row.processed_on is not None
+    assert row.lock_token is None
+    assert await kit.effects() == ["projector:kit.created.v1"]
+
+
+async def test_a_failed_dispatch_releases_the_lease_and_keeps_no_effect(kit: Kit) -> None:
+    async def fails_after_an_effect(event: Created, uow: UnitOfWork) -> None:
+        await kit.recording("partial")(event, uow)
+        msg = "handler exploded"
+        raise RuntimeError(msg)
+
+    kit.on(Created, fails_after_an_effect)
+    await place(kit)
+    (row,) = await outbox(kit.container)
+    assert row.processed_on is None
+    assert (row.lock_token, row.locked_until, row.locked_by) == (None, None, None)
+    assert "handler exploded" in row.last_error
+    assert row.retry_count == 0  # an in-process attempt is not one of the processor's retries
+    assert await kit.effects() == []
+
+
+async def test_a_lost_lease_rolls_the_handler_effects_back(kit: Kit) -> None:
+    thief = uuid.uuid4()
+
+    async def loses_its_lease(event: Created, uow: UnitOfWork) -> None:
+        # Another replica claims the row while the handler runs (before the handler writes:
+        # SQLite has a single writer, so that is the only moment it can happen there).
+        async with kit.container.database().session() as other:
+            await other.exec(sa.update(OUTBOX_TABLE).values(lock_token=thief))  # type: ignore[call-overload]
+            await other.commit()
+        await kit.recording("doomed")(event, uow)
+
+    kit.on(Created, loses_its_lease)
+    await place(kit)
+    (row,) = await outbox(kit.container)
+    assert row.lock_token == thief
+    assert row.processed_on is None
+    assert await kit.effects() == []
+
+
+async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit: Kit) -> None:
+    kit.on(Created, kit.recording("projector"))
+    dispatcher = kit.container.dispatcher()
+
+    async def crash(*_args: Any, **_kwargs: Any) -> None:
+        return None  # the process "dies" between commit and dispatch
+
+    dispatcher.dispatch_committed = crash  # type: ignore[method-assign]
+    await place(kit)
+    claimer = Claimer(OUTBOX_TABLE, "event_name", batch=10, window=80)
+    (row,) = await outbox(kit.container)
+    lease = timedelta(seconds=kit.container.settings().outbox.lease_seconds)
+    async with kit.container.database().session() as session:
+        early = await claimer.claim(
+            session, now=row.occurred_on + lease / 2, lease_until=row.occurred_on + lease, token=uuid.uuid4(), locked_by="p2"
+        )
+        late = await claimer.claim(
+            session,
+            now=row.locked_until + timedelta(seconds=1),
+            lease_until=row.locked_until + lease,
+            token=uuid.uuid4(),
+            locked_by="p2",
+        )
+        await session.commit()
+    assert early == []
+    assert [r.id for r in late] == [row.id]
+
+
+async def test_a_savepoint_release_does_not_dispatch(kit: Kit) -> None:
+    kit.on(Created, kit.recording("projector"))
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            async with uow.savepoint():
+                uow.repository(Counters).add(Counter.create("acme"))
+            assert kit.seen == []
+            await uow.commit()
+    assert [label for label, _ in kit.seen] == ["projector"]
+
+
+async def test_a_stale_aggregate_version_is_refused(kit: Kit) -> None:
+    counter = await place(kit)
+    units = kit.container.units_of_work()
+    with acting_as():
+        async with units() as first, units() as second:
+            mine = await first.repository(Counters).get(counter.id)
+            theirs = await second.repository(Counters).get(counter.id)
+            mine.increment()
+            await first.commit()
+            theirs.increment(5)
+            with pytest.raises(ConcurrencyError, match="changed by someone else"):
+                await second.commit()
+    rows = await fetch(kit.container, sa.select(COUNTERS.c.value, COUNTERS.c.version))
+    assert [tuple(r) for r in rows] == [(1, 2)]
+
+
+async def test_another_tenants_aggregate_is_not_found(kit: Kit) -> None:
+    counter = await place(kit)
+    with acting_as(tenant="globex"):
+        async with kit.container.units_of_work()() as uow:
+            with pytest.raises(NotFoundError, match="was not found"):
+                await uow.repository(Counters).get(counter.id)
+
+
+async def test_integration_events_and_commands_are_written_unleased(kit: Kit) -> None:
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            uow.enqueue(CounterChangedV1(counter_id="c-1", value=3, aggregate_id="c-1"))
+            due = uow.now + timedelta(minutes=5)
+            uow.schedule(RecordEffect(label="later"), due_at=due)
+            await uow.commit()
+    (event,) = await outbox(kit.container)
+    assert (event.event_name, event.kind, event.ordering_key) == ("kit.counter-changed.v1", "integration", "c-1")
+    (command,) = await fetch(kit.container, select(InternalCommand))
+    assert command.command_name == "kit.record-effect.v1"
+    assert command.available_on == due
+    assert command.lock_token is None
+
+
+async def test_outbox_off_dispatches_directly_without_rows(make_container: ContainerFactory) -> None:
+    container = make_container(message_bus={"enable_outbox": False, "enable_inbox": False})
+    kit = await install_kit(container)
+    kit.on(Created, kit.recording("direct"))
+    await place(kit)
+    assert await fetch(container, select(OutboxMessage)) == []
+    assert await kit.effects() == ["direct:kit.created.v1"]

@@ -1,0 +1,53 @@
+"""ADR-100 enablement rules and refused configurations."""
+
+import pytest
+from pydantic import ValidationError
+
+from {{ cookiecutter.package_name }}.settings import Settings
+
+pytestmark = pytest.mark.unit
+
+
+def settings(**values: object) -> Settings:
+    return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("transport", "outbox", "inbox", "expected"),
+    [
+        ("inprocess", None, None, (False, False)),
+        ("rabbitmq", None, None, (True, True)),
+        ("nats", None, False, (True, False)),
+        ("inprocess", True, True, (True, True)),
+        ("redis", True, None, (True, True)),
+    ],
+)
+def test_outbox_and_inbox_are_tri_state(transport: str, outbox: bool | None, inbox: bool | None, expected: tuple[bool, bool]) -> None:
+    bus = {"transport": transport, "enable_outbox": outbox, "enable_inbox": inbox}
+    resolved = settings(message_bus=bus).message_bus
+    assert (resolved.outbox_enabled, resolved.inbox_enabled) == expected
+
+
+def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
+    with pytest.raises(ValidationError, match="ENABLE_OUTBOX=false is refused"):
+        settings(message_bus={"transport": "kafka", "enable_outbox": False})
+
+
+def test_production_refuses_the_dev_secret_and_unsigned_brokers() -> None:
+    with pytest.raises(ValidationError, match="JWT_SECRET must be set"):
+        settings(environment="production")
+    with pytest.raises(ValidationError, match="SIGNING_KEYS must be set"):
+        settings(environment="production", auth={"jwt_secret": "s" * 40}, message_bus={"transport": "nats"})
+    allowed = settings(
+        environment="production",
+        auth={"jwt_secret": "s" * 40},
+        message_bus={"transport": "nats", "allow_unsigned": True},
+    )
+    assert allowed.message_bus.allow_unsigned
+
+
+def test_signing_keys_parse_from_the_environment_form() -> None:
+    parsed = settings(message_bus={"signing_keys": "k1:one,k2:two", "signing_key_id": "k2"}).message_bus
+    assert {k: v.get_secret_value() for k, v in parsed.signing_keys.items()} == {"k1": "one", "k2": "two"}
+    with pytest.raises(ValidationError, match="must look like"):
+        settings(message_bus={"signing_keys": "nokey"})
