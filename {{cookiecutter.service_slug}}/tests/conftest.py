@@ -23,7 +23,7 @@ import socket
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from datetime import UTC, datetime, timedelta
@@ -258,3 +258,33 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += timedelta(seconds=seconds)
+
+
+@asynccontextmanager
+async def live_server(container: Container, *, with_worker: bool = True) -> AsyncIterator[str]:
+    """The app on a real uvicorn server (lifespan included), on a free port of this loop."""
+    import uvicorn  # noqa: PLC0415
+
+    from {{ cookiecutter.package_name }}.entrypoints.app import create_app  # noqa: PLC0415
+
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(container, with_worker=with_worker), host="127.0.0.1", port=port,
+                       log_config=None, lifespan="on")
+    )
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+def token_for(container: Container, tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ()) -> str:
+    return container.tokens().mint(user_id=user, tenant_id=tenant, roles=roles)

@@ -1,0 +1,67 @@
+"""The HTTP surface that every generated service has, served by a real uvicorn server."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent
+from {{ cookiecutter.package_name }}.container import Container
+
+from ..conftest import live_server, token_for
+
+pytestmark = pytest.mark.integration
+
+
+async def test_health_metrics_and_asyncapi(container: Container) -> None:
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.get("/livez")).json() == {"status": "ok"}
+        ready = await client.get("/readyz")
+        assert ready.status_code == 200
+        assert ready.json()["checks"] == {"database": "ok", "bus": "ok"}
+        assert "outbox_processor_heartbeat_timestamp_seconds" in (await client.get("/metrics")).text
+        document = (await client.get("/asyncapi")).json()
+    assert document["asyncapi"].startswith("3.")
+    documented = {message["name"] for message in document["components"]["messages"].values()}
+    for event in container.registry().classes(IntegrationEvent):
+        assert event.message_name in documented, f"{event.message_name} has no AsyncAPI channel"
+
+
+async def test_readyz_reports_an_unreachable_database(make_container: object, tmp_path: object) -> None:
+    container = make_container(database={"url": "postgresql+asyncpg://nobody@127.0.0.1:1/none"})  # type: ignore[operator]
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        ready = await client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["checks"]["database"].startswith("error:")
+
+
+async def test_correlation_id_is_echoed_generated_or_refused(container: Container) -> None:
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        echoed = await client.get("/livez", headers={"X-Correlation-Id": "req-42"})
+        generated = await client.get("/livez")
+        refused = await client.get("/livez", headers={"X-Correlation-Id": "x" * 65})
+    assert echoed.headers["x-correlation-id"] == "req-42"
+    assert len(generated.headers["x-correlation-id"]) == 32
+    assert refused.status_code == 400
+    assert "64 characters" in refused.json()["detail"]
+
+
+async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> None:
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        anonymous = await client.get("/admin/outbox/pending")
+        bad = await client.get("/admin/outbox/pending", headers={"Authorization": "Bearer not-a-jwt"})
+        clerk = await client.get(
+            "/admin/outbox/pending", headers={"Authorization": f"Bearer {token_for(container, roles=('clerk',))}"}
+        )
+        admin_headers = {"Authorization": f"Bearer {token_for(container, roles=('outbox-admin',))}"}
+        admin = await client.get("/admin/outbox/pending", headers=admin_headers)
+        unknown = await client.get("/admin/outbox/dead-letters?source=nope", headers=admin_headers)
+        missing = await client.get(
+            "/admin/outbox/outbox/00000000-0000-0000-0000-000000000000/explain", headers=admin_headers
+        )
+    assert (anonymous.status_code, bad.status_code, clerk.status_code, admin.status_code) == (401, 401, 403, 200)
+    assert "invalid bearer token" in bad.json()["detail"]
+    assert [c["source"] for c in admin.json()] == ["outbox", "internal_commands"]
+    assert unknown.status_code == 400
+    assert "unknown source 'nope'" in unknown.json()["detail"]
+    assert missing.status_code == 404

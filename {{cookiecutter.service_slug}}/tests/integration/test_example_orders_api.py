@@ -1,0 +1,79 @@
+"""The example orders API end to end on a real server: order placed over HTTP -> outbox ->
+in-process bus -> consumer -> inbox -> notification visible via the API, with the caller's
+tenant, user and correlation."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from {{ cookiecutter.package_name }}.container import Container
+
+from ..conftest import live_server, token_for
+
+pytestmark = pytest.mark.integration
+ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}
+
+
+def auth(container: Container, tenant: str = "acme", user: str = "alice") -> dict[str, str]:
+    return {"Authorization": f"Bearer {token_for(container, tenant, user)}"}
+
+
+async def wait_for_notifications(client: httpx.AsyncClient, order_id: str, headers: dict[str, str], count: int) -> list[Any]:
+    for _ in range(200):
+        found = (await client.get(f"/notifications?order_id={order_id}", headers=headers)).json()
+        if len(found) >= count:
+            return list(found)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"expected {count} notifications, got {found}")
+
+
+async def test_place_read_cancel_and_see_the_notifications(container: Container) -> None:
+    headers = auth(container) | {"X-Correlation-Id": "checkout-7"}
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+        placed = await client.post("/orders", json=ORDER, headers=headers)
+        assert placed.status_code == 201
+        order = placed.json()
+        assert (order["status"], order["total"], order["tenant_id"]) == ("placed", "19.98", "acme")
+        assert (await client.get(f"/orders/{order['id']}", headers=headers)).json()["status"] == "placed"
+        (notification,) = await wait_for_notifications(client, order["id"], headers, 1)
+        assert notification["event_name"] == "orders.order-placed.v1"
+        assert (notification["tenant_id"], notification["user_id"]) == ("acme", "alice")
+        assert notification["correlation_id"] == "checkout-7"
+        cancelled = await client.post(f"/orders/{order['id']}/cancel", json={"reason": "changed my mind"}, headers=headers)
+        assert cancelled.json()["status"] == "cancelled"
+        again = await client.post(f"/orders/{order['id']}/cancel", headers=headers)
+        assert again.status_code == 409
+        notifications = await wait_for_notifications(client, order["id"], headers, 2)
+    assert [n["event_name"] for n in notifications] == ["orders.order-placed.v1", "orders.order-cancelled.v1"]
+    assert len({n["message_id"] for n in notifications}) == 2
+
+
+async def test_validation_errors_are_422_with_field_messages(container: Container) -> None:
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        bad = await client.post(
+            "/orders",
+            json={"customer_id": "", "lines": [{"sku": "X", "quantity": 0, "unit_price": "-1"}]},
+            headers=auth(container),
+        )
+        empty = await client.post("/orders", json={"customer_id": "c", "lines": []}, headers=auth(container))
+    assert bad.status_code == 422
+    fields = {tuple(error["loc"][1:]) for error in bad.json()["detail"]}
+    assert {("customer_id",), ("lines", 0, "quantity"), ("lines", 0, "unit_price")} <= fields
+    assert empty.status_code == 422
+
+
+async def test_unknown_other_tenant_and_anonymous_requests(container: Container) -> None:
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        order = (await client.post("/orders", json=ORDER, headers=auth(container))).json()
+        foreign = await client.get(f"/orders/{order['id']}", headers=auth(container, tenant="globex"))
+        foreign_cancel = await client.post(f"/orders/{order['id']}/cancel", headers=auth(container, tenant="globex"))
+        unknown = await client.get("/orders/does-not-exist", headers=auth(container))
+        anonymous = await client.post("/orders", json=ORDER)
+        still_placed = await client.get(f"/orders/{order['id']}", headers=auth(container))
+    assert (foreign.status_code, foreign_cancel.status_code, unknown.status_code) == (404, 404, 404)
+    assert anonymous.status_code == 401
+    assert still_placed.json()["status"] == "placed"

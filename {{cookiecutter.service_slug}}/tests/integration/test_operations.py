@@ -1,0 +1,244 @@
+"""Cleanup, administration, metrics and internal commands (issue: processor and operations)."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from prometheus_client import generate_latest
+
+from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import AdminError
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import DeadLetterReplay, InboxMessage
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.commands import COMMAND_TABLE
+
+from ..conftest import FakeClock, acting_as, fetch
+from ..kit import RecordEffect, install_kit, record_effect
+from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
+
+pytestmark = pytest.mark.integration
+
+
+async def test_cleanup_deletes_exactly_what_is_past_retention(
+    make_container: Any, caplog: pytest.LogCaptureFixture  # noqa: ANN401
+) -> None:
+    container = make_container(outbox={"retention_days": 7, "dead_letter_retention_days": 30}, inbox={"retention_days": 2})
+    now = container.clock()()
+    days = timedelta(days=1)
+    keep = await insert_rows(container, [
+        row("kit.a.v1", now - 6 * days, processed_on=now),                     # processed, young
+        row("kit.a.v1", now - 20 * days, dead_lettered_on=now, dead_letter_reason="x"),  # dead, < 30 d
+        row("kit.a.v1", now - 90 * days),                                       # still pending: never
+    ])
+    gone = await insert_rows(container, [
+        row("kit.a.v1", now - 8 * days, processed_on=now - 8 * days),
+        row("kit.a.v1", now - 31 * days, dead_lettered_on=now - 31 * days, dead_letter_reason="x"),
+    ])
+    async with container.database().session() as session:
+        session.add(InboxMessage(message_id="old", consumer="c", event_name="e", received_on=now - 3 * days))
+        session.add(InboxMessage(message_id="new", consumer="c", event_name="e", received_on=now - days / 2))
+        await session.commit()
+    with caplog.at_level(logging.WARNING):
+        counts = await container.cleaner().sweep()
+    remaining = {r.id for r in await all_rows(container)}
+    assert remaining == set(keep)
+    assert not remaining & set(gone)
+    inbox = await fetch(container, sa.select(InboxMessage.__table__.c.message_id))  # type: ignore[attr-defined]
+    assert [r[0] for r in inbox] == ["new"]
+    assert counts["outbox:processed"] == 1
+    assert counts["outbox:dead_lettered"] == 1
+    assert counts["inbox:consumed"] == 1
+    assert "deleted 1 processed row(s) from outbox" in caplog.text
+
+
+async def test_cleanup_in_batches_removes_everything_due(make_container: Any) -> None:  # noqa: ANN401
+    container = make_container(outbox={"retention_days": 1, "cleanup_batch_size": 7})
+    old = container.clock()() - timedelta(days=3)
+    await insert_rows(container, [row("kit.a.v1", old, processed_on=old) for _ in range(30)])
+    assert (await container.cleaner().sweep())["outbox:processed"] == 30
+    assert await all_rows(container) == []
+
+
+async def test_retention_zero_disables_cleanup(make_container: Any) -> None:  # noqa: ANN401
+    container = make_container(outbox={"retention_days": 0})
+    old = container.clock()() - timedelta(days=300)
+    await insert_rows(container, [row("kit.a.v1", old, processed_on=old)])
+    await container.cleaner().sweep()
+    assert len(await all_rows(container)) == 1
+
+
+async def dead_letter(container: Container, count: int, **extra: Any) -> list[uuid.UUID]:  # noqa: ANN401
+    now = container.clock()()
+    return await insert_rows(container, [
+        row("kit.a.v1", now - timedelta(minutes=count - i), dead_lettered_on=now, dead_letter_reason="retries_exhausted",
+            retry_count=5, last_error=f"boom {i}", payload={"secret": "personal data"}, **extra)
+        for i in range(count)
+    ])
+
+
+async def test_dead_letters_are_listed_oldest_first_paged_without_payload(container: Container) -> None:
+    ids = await dead_letter(container, 5)
+    admin = container.admin()
+    first = await admin.list_dead_letters("outbox", offset=0, limit=2)
+    second = await admin.list_dead_letters("outbox", offset=2, limit=2)
+    assert [d.id for d in first + second] == [str(i) for i in ids[:4]]
+    assert all(not hasattr(d, "payload") for d in first)
+    assert first[0].reason == "retries_exhausted"
+    assert await admin.list_dead_letters(None, limit=50) == await admin.list_dead_letters("outbox", limit=50)
+    with pytest.raises(AdminError, match="unknown source 'nope'"):
+        await admin.list_dead_letters("nope")
+
+
+async def test_replay_resets_retries_clears_the_lease_keeps_error_and_place(container: Container) -> None:
+    ids = await dead_letter(container, 2, ordering_key="k")
+    before = await state(container, ids[0])
+    result = await container.admin().replay("outbox", [str(ids[0])], actor="operator-1")
+    assert result.replayed == [str(ids[0])]
+    after = await state(container, ids[0])
+    assert (after.retry_count, after.dead_lettered_on, after.locked_until, after.lock_token) == (0, None, None, None)
+    assert after.last_error == before.last_error
+    assert (after.occurred_on, after.seq) == (before.occurred_on, before.seq)
+    (audit,) = await fetch(container, sa.select(DeadLetterReplay.__table__))  # type: ignore[attr-defined]
+    assert (audit.replayed_by, audit.message_count, audit.message_ids) == ("operator-1", 1, [str(ids[0])])
+    claimed = await outbox_source(container, ScriptedDeliverer()).claim(uuid.uuid4())
+    assert [r.id for r in claimed] == [ids[0]]  # back in the pool, first in its key
+
+
+async def test_replay_is_all_or_nothing_with_clear_errors(container: Container) -> None:
+    (dead,) = await dead_letter(container, 1)
+    (alive,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
+    admin = container.admin()
+    with pytest.raises(AdminError, match="no outbox row has id"):
+        await admin.replay("outbox", [str(dead), str(uuid.uuid4())], actor="op")
+    with pytest.raises(AdminError, match="not dead-lettered"):
+        await admin.replay("outbox", [str(dead), str(alive)], actor="op")
+    with pytest.raises(AdminError, match="is not a row id"):
+        await admin.replay("outbox", ["not-a-uuid"], actor="op")
+    with pytest.raises(AdminError, match="needs one source"):
+        await admin.replay("all", [str(dead)], actor="op")
+    assert (await state(container, dead)).dead_lettered_on is not None
+
+
+async def test_count_pending_includes_leased_rows(container: Container) -> None:
+    now = container.clock()()
+    await insert_rows(container, [row("kit.a.v1", now) for _ in range(3)])
+    await dead_letter(container, 1)
+    await outbox_source(container, ScriptedDeliverer()).claim(uuid.uuid4())  # leases the 3
+    (outbox, commands) = await container.admin().count_pending()
+    assert (outbox.source, outbox.pending, outbox.leased, outbox.dead_lettered) == ("outbox", 3, 3, 1)
+    assert (commands.source, commands.pending) == ("internal_commands", 0)
+
+
+async def test_explain_says_why_a_row_is_or_is_not_moving(container: Container) -> None:
+    clock = FakeClock()
+    head, follower = await insert_rows(container, [row("kit.a.v1", clock.now, key="k") for _ in range(2)])
+    (future,) = await insert_rows(container, [row("kit.a.v1", clock.now, available_on=clock.now + timedelta(hours=1))])
+    (dead,) = await dead_letter(container, 1)
+    admin = container.admin()
+    assert (await admin.explain("outbox", str(follower))).state == "blocked"
+    assert str(head) in (await admin.explain("outbox", str(follower))).detail
+    assert (await admin.explain("outbox", str(future))).state == "delayed"
+    assert (await admin.explain("outbox", str(head))).state == "pending"
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    await source.claim(uuid.uuid4())
+    leased = await admin.explain("outbox", str(head))
+    assert leased.state == "leased"
+    assert "processor-a" in leased.detail
+    explained = await admin.explain("outbox", str(dead))
+    assert (explained.state, explained.retry_count) == ("dead_lettered", 5)
+    assert "retries_exhausted" in explained.detail
+    with pytest.raises(AdminError, match="no outbox row has id"):
+        await admin.explain("outbox", str(uuid.uuid4()))
+
+
+async def test_explain_reports_backoff_and_processed(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+
+    async def fails(_row: Any) -> Any:  # noqa: ANN401
+        raise ConnectionError("down")
+
+    source = outbox_source(container, ScriptedDeliverer(fails), clock)
+    await source.run_cycle()
+    backing_off = await container.admin().explain("outbox", str(row_id))
+    assert backing_off.state == "backing_off"
+    assert "after attempt 1" in backing_off.detail
+    clock.advance(3600)
+    await outbox_source(container, ScriptedDeliverer(), clock).run_cycle()
+    assert (await container.admin().explain("outbox", str(row_id))).state == "processed"
+
+
+async def test_metrics_agree_with_the_table(container: Container) -> None:
+    clock = FakeClock()
+    await insert_rows(container, [row("kit.a.v1", clock.now - timedelta(seconds=90))])
+    await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
+    source = outbox_source(container, ScriptedDeliverer(), clock, batch_size=2)
+    await source.run_cycle()
+    metrics = container.metrics()
+    assert metrics.oldest_pending_age.labels("outbox")._value.get() == pytest.approx(90)  # noqa: SLF001
+    assert metrics.dispatched.labels("outbox", "integration")._value.get() == 2  # noqa: SLF001
+    await source.run_cycle()
+    await source.run_cycle()
+    assert metrics.oldest_pending_age.labels("outbox")._value.get() == 0  # noqa: SLF001
+    worker = container.worker()
+    depth_task = worker._sample_depth()  # noqa: SLF001
+    import asyncio  # noqa: PLC0415
+
+    task = asyncio.ensure_future(depth_task)
+    await asyncio.sleep(0.3)
+    task.cancel()
+    pending_total = (await container.admin().count_pending("outbox"))[0].pending
+    assert metrics.pending_depth.labels("outbox")._value.get() == pending_total == 0  # noqa: SLF001
+    exposition = generate_latest(metrics.registry).decode()
+    for name in ("outbox_pending_depth", "outbox_oldest_pending_age_seconds", "outbox_dispatch_lag_seconds",
+                 "outbox_dispatched_total", "outbox_dead_letters_total", "outbox_processor_heartbeat_timestamp_seconds",
+                 "inbox_duplicates_total"):
+        assert name in exposition
+
+
+async def test_internal_commands_run_later_in_their_own_unit_of_work(container: Container) -> None:
+    kit = await install_kit(container)
+    seen: list[tuple[str | None, str]] = []
+
+    async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+
+        seen.append((current_context().tenant_id, current_context().authentication_type or ""))
+        await record_effect(uow, command.label)
+
+    container.handlers().on_command(RecordEffect, run_command)
+    with acting_as(tenant="globex"):
+        async with container.units_of_work()() as uow:
+            uow.schedule(RecordEffect(label="follow-up"))
+            await uow.commit()
+    (commands,) = [s for s in container.sources() if s.name == "internal_commands"]
+    await commands.run_cycle()
+    assert seen == [("globex", "internal-command")]
+    assert await kit.effects() == ["follow-up"]
+    (command_row,) = await fetch(container, sa.select(COMMAND_TABLE))
+    assert command_row.processed_on is not None
+
+
+async def test_a_failing_internal_command_backs_off_like_the_outbox(container: Container) -> None:
+    await install_kit(container)
+
+    async def broken(command: RecordEffect, uow: UnitOfWork) -> None:
+        await record_effect(uow, "never kept")
+        raise RuntimeError("command failed")
+
+    container.handlers().on_command(RecordEffect, broken)
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            uow.schedule(RecordEffect(label="x"))
+            await uow.commit()
+    (commands,) = [s for s in container.sources() if s.name == "internal_commands"]
+    await commands.run_cycle()
+    (command_row,) = await fetch(container, sa.select(COMMAND_TABLE))
+    assert (command_row.retry_count, command_row.processed_on) == (1, None)
+    assert "command failed" in command_row.last_error
+    assert command_row.locked_until > container.clock()()
