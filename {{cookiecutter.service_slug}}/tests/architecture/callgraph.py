@@ -26,7 +26,9 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections import defaultdict
+import types
+import typing
+from collections import abc, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,13 +41,14 @@ TYPING_MODULES = frozenset({"typing", "typing_extensions", "collections.abc", "b
 PROTOCOL_TYPES = frozenset({"typing.Protocol", "typing_extensions.Protocol"})
 CONTEXT_MANAGERS = frozenset({"contextmanager", "asynccontextmanager"})
 PROPERTIES = frozenset({"property", "cached_property"})
-ITERATORS = frozenset({"Iterator", "AsyncIterator", "Generator", "AsyncGenerator", "Iterable", "AsyncIterable"})
+ITERATORS = frozenset({"Iterator", "AsyncIterator", "Generator", "AsyncGenerator"})
 WRAPPERS = frozenset({"Annotated", "ClassVar", "Final", "Required", "NotRequired", "ReadOnly"})
 # Calling a session factory gives a session (``Database.sessions()``).
 SESSION_FACTORIES = {
     "sqlalchemy.orm.session.sessionmaker": "sqlalchemy.orm.session.Session",
     "sqlalchemy.ext.asyncio.session.async_sessionmaker": "sqlalchemy.ext.asyncio.session.AsyncSession",
 }
+ITERATOR_ORIGINS = (abc.Iterator, abc.AsyncIterator, abc.Generator, abc.AsyncGenerator)
 MISSING = object()
 
 
@@ -223,7 +226,9 @@ class _Indexer(ast.NodeVisitor):
         if self.class_body is not None and not isinstance(node, ast.Lambda):
             self.class_body.methods.setdefault(node.name, fn)
         saved = (self.prefix, self.class_body, self.function)
-        self.prefix = [*self.prefix, name] if isinstance(node, ast.Lambda) else [*self.prefix, name, "<locals>"]
+        self.prefix = (
+            [*self.prefix, name] if isinstance(node, ast.Lambda) else [*self.prefix, name, "<locals>"]
+        )
         self.class_body, self.function = None, fn
         self.generic_visit(node)
         self.prefix, self.class_body, self.function = saved
@@ -231,7 +236,7 @@ class _Indexer(ast.NodeVisitor):
 
 def _package_files(package: str) -> Iterator[tuple[str, Path, bool]]:
     spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None and not spec.submodule_search_locations:
+    if spec is None or (spec.origin is None and not spec.submodule_search_locations):
         raise ModuleNotFoundError(package)
     if not spec.submodule_search_locations:
         yield package, Path(str(spec.origin)), False
@@ -340,11 +345,29 @@ def classify(obj: object) -> set[Value]:
 
 
 def _runtime_return(func: object) -> set[Value]:
+    """A library callable's return type; a decorated one returning ``AsyncIterator[T]``
+    (``@asynccontextmanager``) gives ``T``."""
     try:
-        annotation = inspect.signature(func, eval_str=True).return_annotation  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 (unresolvable annotations leave the type unknown)
+        annotation = inspect.signature(func).return_annotation  # type: ignore[arg-type]
+    except (TypeError, ValueError):
         return set()
-    return {Instance(type_name(annotation))} if inspect.isclass(annotation) else set()
+    if isinstance(annotation, str):
+        namespace = dict(getattr(inspect.unwrap(func), "__globals__", {}))  # type: ignore[arg-type]
+        try:
+            annotation = eval(annotation, namespace)  # noqa: S307 (the library's own annotation, in its module)
+        except Exception:  # noqa: BLE001 (an unresolvable annotation leaves the type unknown)
+            return set()
+    if hasattr(func, "__wrapped__") and typing.get_origin(annotation) in ITERATOR_ORIGINS:
+        annotation = typing.get_args(annotation)[0]
+    return _instances_of(annotation)
+
+
+def _instances_of(annotation: object) -> set[Value]:
+    if inspect.isclass(annotation):
+        return {Instance(type_name(annotation))}
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return {v for arg in typing.get_args(annotation) for v in _instances_of(arg)}
+    return set()
 
 
 # -- the graph ---------------------------------------------------------------------------------
@@ -444,6 +467,16 @@ class CallGraph:
         self._implementers: dict[str, list[str]] = {}
         self._subclasses: dict[str, set[str]] | None = None
         self._version = index.version
+        self._inferrers: dict[type[ast.AST], Callable[[Any, Scope], set[Value]]] = {
+            ast.Name: lambda e, s: self.lookup(e.id, s),
+            ast.Attribute: self._infer_attribute,
+            ast.Call: self._infer_call,
+            ast.Await: lambda e, s: self.infer(e.value, s),
+            ast.NamedExpr: lambda e, s: self.infer(e.value, s),
+            ast.Lambda: self._infer_lambda,
+            ast.IfExp: lambda e, s: self.infer(e.body, s) | self.infer(e.orelse, s),
+            ast.BoolOp: lambda e, s: {v for value in e.values for v in self.infer(value, s)},
+        }
         self._adapters: dict[str, set[Value]] = {}
         for port, adapter in (adapters or {}).items():
             self._adapters.setdefault(type_name(port), set()).update(self._values_of(adapter))
@@ -590,7 +623,9 @@ class CallGraph:
         elif isinstance(node, ast.With | ast.AsyncWith):
             for item in node.items:
                 if item.optional_vars is not None:
-                    entered = self._entered(item.context_expr, scope, is_async=isinstance(node, ast.AsyncWith))
+                    entered = self._entered(
+                        item.context_expr, scope, is_async=isinstance(node, ast.AsyncWith)
+                    )
                     _bind_target(item.optional_vars, entered, env)
         elif isinstance(node, ast.For | ast.AsyncFor):
             _bind_target(node.target, set(), env)
@@ -762,21 +797,14 @@ class CallGraph:
 
     def infer(self, expr: ast.expr, scope: Scope) -> set[Value]:
         """The values an expression can have (empty when unknown)."""
-        if isinstance(expr, ast.Name):
-            return self.lookup(expr.id, scope)
-        if isinstance(expr, ast.Attribute):
-            return {v for value in self.infer(expr.value, scope) for v in self.attribute(value, expr.attr)}
-        if isinstance(expr, ast.Call):
-            return self._infer_call(expr, scope)
-        if isinstance(expr, ast.Await | ast.NamedExpr):
-            return self.infer(expr.value, scope)
-        if isinstance(expr, ast.Lambda):
-            return {FunctionRef(self.index.function_nodes[id(expr)].key)}
-        if isinstance(expr, ast.IfExp):
-            return self.infer(expr.body, scope) | self.infer(expr.orelse, scope)
-        if isinstance(expr, ast.BoolOp):
-            return {v for value in expr.values for v in self.infer(value, scope)}
-        return set()
+        inferrer = self._inferrers.get(type(expr))
+        return inferrer(expr, scope) if inferrer is not None else set()
+
+    def _infer_attribute(self, expr: ast.Attribute, scope: Scope) -> set[Value]:
+        return {v for value in self.infer(expr.value, scope) for v in self.attribute(value, expr.attr)}
+
+    def _infer_lambda(self, expr: ast.Lambda, _scope: Scope) -> set[Value]:
+        return {FunctionRef(self.index.function_nodes[id(expr)].key)}
 
     def _infer_call(self, call: ast.Call, scope: Scope) -> set[Value]:
         ports = self._ports(call, scope)
@@ -786,7 +814,9 @@ class CallGraph:
 
     def _ports(self, call: ast.Call, scope: Scope) -> list[str]:
         """The Protocol classes of a ``uow.repository(Port)`` call (empty for other calls)."""
-        if not (isinstance(call.func, ast.Attribute) and call.func.attr in self.resolver_methods and call.args):
+        if not (
+            isinstance(call.func, ast.Attribute) and call.func.attr in self.resolver_methods and call.args
+        ):
             return []
         return [v.type for v in self.infer(call.args[0], scope) if isinstance(v, ClassRef)]
 
@@ -804,24 +834,27 @@ class CallGraph:
         return found
 
     def _call_result(self, callee: Value, call: ast.Call, scope: Scope) -> set[Value]:
+        """What calling ``callee`` gives (``functools.partial(f, ...)`` gives ``f`` itself)."""
         if isinstance(callee, ClassRef):
-            if callee.type == "functools.partial" and call.args:
-                return self.infer(call.args[0], scope)
-            return {Instance(callee.type)}
+            partial = callee.type == "functools.partial" and call.args
+            return self.infer(call.args[0], scope) if partial else {Instance(callee.type)}
         if isinstance(callee, FunctionRef):
             fn = self.index.functions.get(callee.key)
             return self.returns(fn) if fn is not None else set()
         if isinstance(callee, Instance):
-            method = self.find_method(callee.type, "__call__")
-            if method is not None:
-                return self.returns(method)
-            made = SESSION_FACTORIES.get(callee.type)
-            return {Instance(made)} if made else set()
+            return self._call_instance(callee)
         if isinstance(callee, External):
             if callee.name == "typing.cast" and call.args:
                 return self.annotation(call.args[0], scope)
             return _runtime_return(runtime_object(callee.name))
         return set()
+
+    def _call_instance(self, callee: Instance) -> set[Value]:
+        method = self.find_method(callee.type, "__call__")
+        if method is not None:
+            return self.returns(method)
+        made = SESSION_FACTORIES.get(callee.type)
+        return {Instance(made)} if made else set()
 
     def returns(self, fn: FunctionSource) -> set[Value]:
         """What calling ``fn`` gives: its return annotation (a context manager's yielded type),
@@ -962,7 +995,11 @@ class CallGraph:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
             nested = self.index.function_nodes[id(node)]
             return [Edge(Callee(nested.key, nested), node.lineno, "defines")]
-        if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load) and id(node) not in called:
+        if (
+            isinstance(node, ast.Name | ast.Attribute)
+            and isinstance(node.ctx, ast.Load)
+            and id(node) not in called
+        ):
             return self._reference_edges(node, scope)
         if isinstance(node, ast.With | ast.AsyncWith):
             return self._enter_edges(node, scope)
@@ -1022,7 +1059,9 @@ class CallGraph:
             return held or [Callee(f"{type_}.{method}", None, type_, method)]
         if isinstance(receiver, ModuleRef):
             members = self.attribute(receiver, method)
-            return [c for v in members for c in self._value_callees(v)] or [Callee(f"{receiver.name}.{method}")]
+            return [c for v in members for c in self._value_callees(v)] or [
+                Callee(f"{receiver.name}.{method}")
+            ]
         return []
 
     def _value_callees(self, value: Value) -> list[Callee]:
@@ -1049,7 +1088,7 @@ def _bind_target(target: ast.expr, values: set[Value], env: dict[str, set[Value]
             _bind_target(element, set(), env)
 
 
-def _underlying_function(obj: object) -> Any:  # noqa: ANN401 (a function object of any signature)
+def _underlying_function(obj: object) -> Any:
     """The plain function behind a handler (partials, wrappers, bound methods, ``__call__``)."""
     target: Any = obj
     while isinstance(target, functools.partial):

@@ -30,7 +30,7 @@ from ..outbox.metrics import OutboxMetrics
 from ..registry import MessageRegistry
 from .envelope import Envelope, RejectedMessageError, Signer
 from .naming import EndpointNames
-from .transports.base import BrokerTransport, Delivery
+from .transports.base import BrokerTransport, DeadLetterCopy, Delivery
 
 log = logging.getLogger(__name__)
 CRASH_GUARD_ERROR = "attempts exhausted without a recorded failure (crash or timeout)"
@@ -101,6 +101,11 @@ class FastStreamBus:
 
     async def ping(self) -> None:
         await self.transport.ping()
+
+    async def dead_letters(self, consumer_name: str, limit: int = 100) -> list[DeadLetterCopy]:
+        """The dead letters of one consumer (see each transport for the semantics)."""
+        (consumer,) = [c for c in self._consumers if c.name == consumer_name]
+        return await self.transport.dead_letters(consumer, limit)
 
     async def publish(self, envelope: Envelope) -> None:
         headers = self._signer.sign(envelope.headers(), envelope.body)

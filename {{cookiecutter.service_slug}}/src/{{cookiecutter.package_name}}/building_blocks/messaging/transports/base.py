@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ...handlers import Consumer
@@ -40,6 +41,18 @@ class Delivery(Protocol):
 DeliveryHandler = Callable[[Delivery], Awaitable[None]]
 
 
+@dataclass(frozen=True)
+class DeadLetterCopy:
+    """A message found in a consumer's dead-letter destination."""
+
+    headers: dict[str, str]
+    body: bytes
+
+    @property
+    def error(self) -> str:
+        return self.headers.get("x-error", "")
+
+
 class BrokerTransport(Protocol):
     """Topology, publish and subscribe for one broker."""
 
@@ -59,6 +72,10 @@ class BrokerTransport(Protocol):
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None: ...
 
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
+        ...
+
 
 def own_headers(headers: Mapping[str, object]) -> dict[str, str]:
     """Our headers (x-*, traceparent) as strings: what a dead-letter copy carries along."""
@@ -77,6 +94,10 @@ def dead_letter_headers(
         "x-attempts": str(attempt),
         "x-original-address": origin,
     }
+
+
+def as_text(headers: Mapping[str, object]) -> dict[str, str]:
+    return {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in headers.items()}
 
 
 def message_id_of(headers: Mapping[str, object]) -> str:

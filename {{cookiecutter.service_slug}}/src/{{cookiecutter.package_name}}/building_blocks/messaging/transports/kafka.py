@@ -26,7 +26,14 @@ from ...handlers import Consumer
 from ...registry import MessageRegistry
 from ..envelope import Envelope
 from ..naming import EndpointNames
-from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of, own_headers
+from .base import (
+    DeadLetterCopy,
+    DeliveryHandler,
+    PingFailedError,
+    dead_letter_headers,
+    message_id_of,
+    own_headers,
+)
 
 ATTEMPT = "x-attempt"
 NOT_BEFORE = "x-not-before"
@@ -134,6 +141,11 @@ class KafkaTransport:
         if not await self.broker.ping(timeout=2.0):
             msg = "Kafka did not answer"
             raise PingFailedError(msg)
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        del consumer, limit
+        msg = "read Kafka dead letters with a consumer on the <group>.dlq topic (kafka-console-consumer)"
+        raise NotImplementedError(msg)
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

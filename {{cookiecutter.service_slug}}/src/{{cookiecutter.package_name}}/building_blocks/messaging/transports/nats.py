@@ -17,7 +17,7 @@ from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from faststream.nats.message import NatsMessage as NatsMessageType
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from ....settings import MessageBusSettings
 from ...handlers import Consumer
@@ -25,7 +25,14 @@ from ...messages import IntegrationEvent
 from ...registry import MessageRegistry
 from ..envelope import Envelope
 from ..naming import EndpointNames
-from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+from .base import (
+    DeadLetterCopy,
+    DeliveryHandler,
+    PingFailedError,
+    as_text,
+    dead_letter_headers,
+    message_id_of,
+)
 
 
 def _durable(name: str) -> str:
@@ -127,6 +134,24 @@ class NatsTransport:
         if not await self.broker.ping(timeout=2.0):
             msg = "NATS did not answer"
             raise PingFailedError(msg)
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        js = self.broker.config.connection_state.stream
+        subject = self._names.dead_letter_subject(consumer.name)
+        info = await js.stream_info(self._dead_letters)
+        copies: list[DeadLetterCopy] = []
+        if not info.state.messages:
+            return copies
+        for sequence in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+            if len(copies) >= limit:
+                break
+            try:
+                message = await js.get_msg(self._dead_letters, sequence)
+            except NotFoundError:
+                continue
+            if message.subject == subject:
+                copies.append(DeadLetterCopy(as_text(message.headers or {}), message.data or b""))
+        return copies
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -24,7 +24,14 @@ from ...handlers import Consumer
 from ...registry import MessageRegistry
 from ..envelope import Envelope
 from ..naming import EndpointNames
-from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+from .base import (
+    DeadLetterCopy,
+    DeliveryHandler,
+    PingFailedError,
+    as_text,
+    dead_letter_headers,
+    message_id_of,
+)
 
 
 class RabbitDelivery:
@@ -128,6 +135,16 @@ class RabbitTransport:
         if not await self.broker.ping(timeout=2.0):
             msg = "RabbitMQ did not answer"
             raise PingFailedError(msg)
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        queue = await self.broker.declare_queue(self._queues(consumer)[2])
+        copies = []
+        for _ in range(limit):
+            message = await queue.get(no_ack=True, fail=False)
+            if message is None:
+                break
+            copies.append(DeadLetterCopy(as_text(message.headers or {}), message.body))
+        return copies
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -20,6 +20,7 @@ from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
 from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
+from faststream.redis.message import bDATA_KEY
 from redis.exceptions import ResponseError
 
 from ....settings import MessageBusSettings
@@ -27,7 +28,14 @@ from ...handlers import Consumer
 from ...registry import MessageRegistry
 from ..envelope import Envelope
 from ..naming import EndpointNames
-from .base import DeliveryHandler, PingFailedError, dead_letter_headers, message_id_of
+from .base import (
+    DeadLetterCopy,
+    DeliveryHandler,
+    PingFailedError,
+    as_text,
+    dead_letter_headers,
+    message_id_of,
+)
 
 
 class RedisDelivery:
@@ -91,7 +99,7 @@ class RedisTransport:
         await self.broker.connect()
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
-        client = self.broker.config.connection
+        client = self.broker.config.connection.client
         for consumer in consumers:
             try:
                 await client.xgroup_create(
@@ -111,6 +119,16 @@ class RedisTransport:
         if not await self.broker.ping(timeout=2.0):
             msg = "Redis did not answer"
             raise PingFailedError(msg)
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        entries = await self.broker.config.connection.client.xrange(
+            self._names.dead_letters(consumer.name), count=limit
+        )
+        copies = []
+        for _entry_id, fields in entries:
+            body, headers = self.broker.message_format.parse(fields[bDATA_KEY])
+            copies.append(DeadLetterCopy(as_text(headers), body))
+        return copies
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -1,0 +1,211 @@
+"""Integration events across real brokers (RabbitMQ, NATS JetStream, Redis Streams):
+outbox -> processor -> broker -> consume pipeline -> inbox -> effect.
+
+Kafka has no server on the build machines; its transport is covered with TestKafkaBroker in
+tests/unit/test_test_brokers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from {{ cookiecutter.package_name }}.building_blocks.context import capture, current_context
+from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import current_delivery
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope, Signer
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.container import Container, build_container
+
+from ..conftest import SERVICE_URLS, acting_as, make_settings
+from ..kit import CounterChangedV1, install_kit, record_effect
+
+pytestmark = pytest.mark.integration
+TRANSPORTS = [
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("nats", marks=pytest.mark.nats),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+CONSUMER = "kit.observer"
+
+
+@dataclass
+class Observer:
+    """A consumer that records what it saw and can be told to fail."""
+
+    failures_left: int = 0
+    seen: list[dict[str, Any]] = field(default_factory=list)
+
+    async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
+        context = current_context()
+        self.seen.append({
+            "message_id": current_delivery().message_id,
+            "tenant": context.tenant_id,
+            "user": context.user_id,
+            "roles": context.roles,
+            "correlation": context.correlation_id,
+            "authentication": context.authentication_type,
+            "value": event.value,
+        })
+        if self.failures_left != 0:
+            self.failures_left -= 1
+            msg = f"observer failure, {self.failures_left} left"
+            raise RuntimeError(msg)
+        await record_effect(uow, f"consumed:{event.value}")
+
+
+Start = Callable[..., Awaitable[tuple[Container, Observer]]]
+
+
+@pytest.fixture
+async def start(sqlite_url: str) -> AsyncIterator[Start]:
+    """Start a container with the kit's consumer on ``transport`` (worker included)."""
+    running: list[Container] = []
+
+    async def starter(transport: str, *, namespace: str | None = None, failures: int = 0,
+                      signing: dict[str, str] | None = None) -> tuple[Container, Observer]:
+        settings = make_settings(
+            sqlite_url,
+            application={"namespace": namespace or f"t{uuid.uuid4().hex[:10]}"},
+            message_bus={"transport": transport, "url": SERVICE_URLS[transport], "max_delivery_attempts": 3,
+                         "redelivery_delay_seconds": 0.3,
+                         **({"signing_keys": signing, "signing_key_id": next(iter(signing))} if signing else {})},
+            outbox={"polling_interval_seconds": 0.2},
+        )
+        container = build_container(settings)
+        await install_kit(container)
+        observer = Observer(failures_left=failures)
+        container.handlers().consume(CONSUMER, CounterChangedV1, observer)
+        await container.bus().start()
+        await container.worker().start()
+        running.append(container)
+        return container, observer
+
+    yield starter
+    for container in running:
+        await container.worker().stop()
+        await container.database().dispose()
+
+
+async def publish_through_outbox(container: Container, value: int, **context: Any) -> None:  # noqa: ANN401
+    with acting_as(**context):
+        async with container.units_of_work()() as uow:
+            uow.enqueue(CounterChangedV1(counter_id="c-1", value=value, aggregate_id="c-1"))
+            await uow.commit()
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.05)
+
+
+async def effects_become(container: Container, expected: list[str], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (found := await effects_of(container)) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"effects are {found}, expected {expected}")
+        await asyncio.sleep(0.05)
+
+
+async def effects_of(container: Container) -> list[str]:
+    from ..kit import effects  # noqa: PLC0415
+
+    async with container.database().session() as session:
+        return await effects(session)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_the_senders_context_travels_across_the_broker(start: Start, transport: str) -> None:
+    container, observer = await start(transport)
+    await publish_through_outbox(container, 1, tenant="globex", user="bob", roles=("buyer", "vip"), correlation_id="c-42")
+    await eventually(lambda: len(observer.seen) == 1)
+    (seen,) = observer.seen
+    assert (seen["tenant"], seen["user"], seen["roles"], seen["correlation"]) == ("globex", "bob", ("buyer", "vip"), "c-42")
+    assert seen["authentication"] == "message"
+    await effects_become(container, ["consumed:1"])
+    rows = await container.admin().count_pending("outbox")
+    assert rows[0].pending == 0
+
+
+def envelope(value: int, message_id: str | None = None) -> Envelope:
+    with acting_as(tenant="acme"):
+        context = capture()
+    body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
+    return Envelope(message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_the_same_message_delivered_twice_has_one_effect(start: Start, transport: str) -> None:
+    container, observer = await start(transport)
+    message = envelope(7)
+    await container.bus().publish(message)
+    await effects_become(container, ["consumed:7"])
+    await container.bus().publish(message)  # a redelivery / a duplicate publish
+    await asyncio.sleep(1.0)
+    assert await effects_of(container) == ["consumed:7"]
+    assert len(observer.seen) <= 2  # NATS drops the second publish itself (Nats-Msg-Id)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_failing_handler_is_redelivered_then_dead_lettered(start: Start, transport: str) -> None:
+    container, observer = await start(transport, failures=-1)  # fails forever
+    message = envelope(3)
+    await container.bus().publish(message)
+    await eventually(lambda: len(observer.seen) == 3, timeout=30)
+    await asyncio.sleep(1.0)
+    assert len(observer.seen) == 3, "delivered more often than MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS"
+    letters = await container.bus().dead_letters(CONSUMER)
+    assert [letter.headers["x-message-id"] for letter in letters] == [message.message_id]
+    assert "RuntimeError: observer failure" in letters[0].error
+    assert letters[0].headers["x-attempts"] == "3"
+    assert await effects_of(container) == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_handler_that_recovers_has_exactly_one_effect(start: Start, transport: str) -> None:
+    container, observer = await start(transport, failures=2)
+    await container.bus().publish(envelope(5))
+    await effects_become(container, ["consumed:5"], timeout=30)
+    assert len(observer.seen) == 3
+    assert await container.bus().dead_letters(CONSUMER) == []
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(start: Start, transport: str) -> None:
+    container, observer = await start(transport)
+    forged = envelope(666)
+    forger = Signer({"test": "not-the-real-secret"}, "test", allow_unsigned=False)
+    transport_ = container.bus().transport  # type: ignore[attr-defined]
+    await transport_.publish(forged, forger.sign(forged.headers(), forged.body))
+    unsigned = envelope(667)
+    await transport_.publish(unsigned, unsigned.headers())
+    letters: list[Any] = []
+    deadline = time.monotonic() + 15
+    while len(letters) < 2 and time.monotonic() < deadline:
+        letters += await container.bus().dead_letters(CONSUMER)
+        await asyncio.sleep(0.2)
+    assert observer.seen == []
+    errors = {letter.headers["x-message-id"]: letter.error for letter in letters}
+    assert "bad_signature" in errors[forged.message_id]
+    assert "unsigned" in errors[unsigned.message_id]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(start: Start, transport: str) -> None:
+    first, first_observer = await start(transport)
+    second, second_observer = await start(transport)
+    await publish_through_outbox(first, 11)
+    await effects_become(first, ["consumed:11"])
+    await asyncio.sleep(1.0)
+    assert len(first_observer.seen) == 1
+    assert second_observer.seen == []  # (both use one database here; the observers tell them apart)
