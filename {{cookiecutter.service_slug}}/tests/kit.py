@@ -28,6 +28,17 @@ COUNTERS = sa.Table(
     sa.Column("value", sa.Integer, nullable=False),
     sa.Column("version", sa.Integer, nullable=False),
 )
+DELIVERIES = sa.Table(
+    "kit_deliveries",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("row_id", sa.String(64), nullable=False),
+    sa.Column("seq", sa.BigInteger, nullable=False),
+    sa.Column("ordering_key", sa.String(200)),
+    sa.Column("processor", sa.String(64), nullable=False),
+    sa.Column("token", sa.String(64), nullable=False),
+    sa.Column("delivered_at", sa.Float, nullable=False),
+)
 EFFECTS = sa.Table(
     "kit_effects",
     metadata,
@@ -163,12 +174,14 @@ class Kit:
             return await effects(session)
 
 
-async def install_kit(container: Container) -> Kit:
-    """Register the kit's messages and adapters on ``container`` and create its tables."""
+async def install_kit(container: Container, *, create_tables: bool = True) -> Kit:
+    """Register the kit's messages and adapters on ``container`` and (re)create its tables."""
     container.registry().register(Created, Incremented, Noted, CounterChangedV1, RecordEffect)
     adapters = dict(container.units_of_work().adapters)
     adapters[Counters] = SqlCounters
     container.units_of_work().adapters = adapters
+    if not create_tables:
+        return Kit(container)
     engine = container.database().engine
     async with engine.begin() as connection:
         await connection.run_sync(metadata.create_all)

@@ -3,7 +3,7 @@
 Nothing here runs the code it reads. The scanned packages are parsed with ``ast``; imports,
 class bases and annotations are resolved symbolically. Only a name that leads *outside* the
 scanned packages (sqlalchemy's ``AsyncSession``, ``functools.partial``) is looked up on the
-imported library, to learn its canonical name and its base classes.
+library (when the process has imported it), to learn its canonical name and its base classes.
 
 A value is an instance of a class, a class, a module, a function of the scanned source (lambdas
 and nested functions included) or an external callable. Types come from annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import ast
 import builtins
 import functools
-import importlib
 import importlib.util
 import inspect
 import sys
@@ -305,18 +304,13 @@ def source_index(packages: tuple[str, ...]) -> SourceIndex:
 
 
 def _import(name: str) -> ModuleType | None:
-    module = sys.modules.get(name)
-    if module is not None:
-        return module
-    try:
-        return importlib.import_module(name)
-    except Exception:  # noqa: BLE001 (a library that cannot be imported is simply unknown here)
-        return None
+    """Only what is already imported: reading the source never imports a library (no side
+    effects, no seconds spent loading a broker client the service imports lazily)."""
+    return sys.modules.get(name)
 
 
-@functools.cache
 def runtime_object(qualified: str) -> object:
-    """The object a dotted name denotes in an importable library, or ``MISSING``."""
+    """The object a dotted name denotes in an imported library, or ``MISSING``."""
     parts = qualified.split(".")
     for cut in range(len(parts), 0, -1):
         module = _import(".".join(parts[:cut]))
@@ -406,7 +400,7 @@ class Edge:
     how: str
 
 
-def _own_nodes(root: FunctionNode) -> Iterator[ast.AST]:
+def own_nodes(root: FunctionNode) -> Iterator[ast.AST]:
     """The nodes of a function's body in source order, not entering nested scopes (whose
     decorators and defaults, evaluated here, are included)."""
     stack: list[ast.AST] = [root.body] if isinstance(root, ast.Lambda) else list(reversed(root.body))
@@ -591,7 +585,7 @@ class CallGraph:
         self._envs[fn.key] = env  # visible while it is built: recursion sees a partial scope
         scope = self.scope_of(fn)
         self._bind_parameters(fn, env, scope)
-        for node in _own_nodes(fn.node):
+        for node in own_nodes(fn.node):
             self._bind(node, env, scope)
         return env
 
@@ -784,7 +778,7 @@ class CallGraph:
             return
         self_name = params[0].arg
         scope = self.scope_of(method)
-        for node in _own_nodes(method.node):
+        for node in own_nodes(method.node):
             if isinstance(node, ast.AnnAssign) and (name := _self_attribute(node.target, self_name)):
                 attrs[name] |= self.annotation(node.annotation, scope)
                 attrs[name] |= self.infer(node.value, scope) if node.value else set()
@@ -981,7 +975,7 @@ class CallGraph:
         """Everything ``fn`` can reach in one step, each with the line it happens on."""
         if fn.key not in self._edges:
             scope = self.scope_of(fn)
-            nodes = list(_own_nodes(fn.node))
+            nodes = list(own_nodes(fn.node))
             called = {id(node.func) for node in nodes if isinstance(node, ast.Call)}
             found: list[Edge] = []
             for node in nodes:

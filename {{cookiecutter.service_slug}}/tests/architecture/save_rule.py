@@ -62,7 +62,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .callgraph import Callee, CallGraph, ClassRef, Edge, FunctionSource, source_index, type_name
+from .callgraph import (
+    Callee,
+    CallGraph,
+    ClassRef,
+    Edge,
+    External,
+    FunctionRef,
+    FunctionSource,
+    source_index,
+    type_name,
+)
 
 DEFAULT_DEPTH = 6
 SESSION_METHODS = ("commit", "flush", "begin", "begin_nested")
@@ -225,8 +235,12 @@ def _canonical_type(spec: str | type[Any], graph: CallGraph, *, strict: bool = F
 
 
 def _canonical_function(spec: str, graph: CallGraph) -> str:
+    """A scanned function's key, or a library function's canonical name."""
     for value in graph.resolve(spec):
-        return getattr(value, "key", None) or getattr(value, "name", spec)
+        if isinstance(value, FunctionRef):
+            return value.key
+        if isinstance(value, External):
+            return value.name
     return spec
 
 
@@ -319,6 +333,19 @@ class SaveRule:
         """Entries that name nothing (a typo, or code that was removed)."""
         graph = self.graph()
         return [entry for entry in self.allowlist if not graph.exists(entry)]
+
+    def unknown_sinks(self) -> list[str]:
+        """Sinks whose type (or function) names nothing: they would never match."""
+        graph = self.graph()
+        unknown: list[str] = []
+        for spec in self.sinks:
+            owner, method = (
+                spec if isinstance(spec, tuple) else (spec.rpartition(".")[0], spec.rpartition(".")[2])
+            )
+            found = _canonical_type(owner, graph, strict=True) or graph.exists(str(spec))
+            if not found or not method:
+                unknown.append(repr(spec))
+        return unknown
 
     def check(self, handlers: Mapping[str, Iterable[Callable[..., Any]]]) -> Report:
         graph = self.graph()

@@ -57,8 +57,12 @@ def test_registered_handlers_do_not_save() -> None:
         print(hit.describe())
 
 
-def test_allowlist_names_exist() -> None:
-    assert service_rule().unknown_allowlist_entries() == []
+def test_allowlist_entries_and_sinks_name_real_code() -> None:
+    rule = service_rule()
+
+    assert rule.unknown_allowlist_entries() == []
+    assert rule.unknown_sinks() == []
+    assert SaveRule(packages=(PACKAGE,), sinks=(("sqlalchemy.orm.Sesion", "commit"),)).unknown_sinks()
 
 
 # -- the negative fixtures -------------------------------------------------------------------
@@ -119,12 +123,12 @@ def test_every_fixture_handler_is_walked(fixture_report: Report) -> None:
 @pytest.mark.parametrize("handler", list(SAVES))
 def test_a_handler_that_saves_is_reported_with_its_chain(fixture_report: Report, handler: str) -> None:
     violation = the_violation(fixture_report, handler)
-    hops = violation.names[1:]
+    reached = violation.names[1:]
 
     assert violation.names[0] == f"{HANDLERS}.{handler}"
-    assert len(hops) == len(SAVES[handler]), violation.describe()
-    for hop, expected in zip(hops, SAVES[handler], strict=True):
-        assert expected in hop, violation.describe()
+    assert len(reached) == len(SAVES[handler]), violation.describe()
+    for name, expected in zip(reached, SAVES[handler], strict=True):
+        assert expected in name, violation.describe()
     described = fixture_report.describe()
     assert violation.describe() in described
     for hop in violation.chain:

@@ -17,6 +17,7 @@ from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from faststream.nats.message import NatsMessage as NatsMessageType
+from nats.errors import NotJSMessageError
 from nats.js.errors import BadRequestError, NotFoundError
 
 from ....settings import MessageBusSettings
@@ -56,7 +57,10 @@ class NatsDelivery:
         return message_id_of(self.headers)
 
     async def attempt(self) -> int:
-        return int(self._message.raw_message.metadata.num_delivered)
+        try:
+            return int(self._message.raw_message.metadata.num_delivered)
+        except NotJSMessageError:  # a core-NATS message (FastStream's TestNatsBroker): no count
+            return 1
 
     async def ack(self) -> None:
         await self._message.ack()

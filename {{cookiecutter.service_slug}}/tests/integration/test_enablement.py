@@ -1,0 +1,68 @@
+"""ADR-100 enablement at start-up: refused combinations, warnings, and the processors that run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from {{ cookiecutter.package_name }}.container import build_container, startup_diagnostics
+
+from ..conftest import make_settings
+
+pytestmark = pytest.mark.integration
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if "__" not in k}
+    return subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}", *args],
+        cwd=PROJECT, env=clean | env, capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+def test_a_broker_with_the_outbox_explicitly_off_refuses_to_start() -> None:
+    result = run_cli("worker", MESSAGE_BUS__TRANSPORT="rabbitmq", MESSAGE_BUS__ENABLE_OUTBOX="false")
+    assert result.returncode == 2
+    assert "ENABLE_OUTBOX=false is refused with the rabbitmq transport" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_production_refuses_dev_tokens() -> None:
+    result = run_cli("token", "--tenant", "t", "--user", "u", ENVIRONMENT="production",
+                     AUTH__JWT_SECRET="x" * 40)
+    assert result.returncode == 2
+    assert "refused in production" in result.stderr
+
+
+def test_the_inbox_off_with_a_broker_warns_once(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    settings = make_settings(sqlite_url, message_bus={"transport": "rabbitmq", "enable_inbox": False})
+    with caplog.at_level(logging.WARNING):
+        startup_diagnostics(build_container(settings))
+    assert caplog.text.count("MESSAGE_BUS__ENABLE_INBOX=false") == 1
+
+
+def test_a_composition_root_that_bypasses_the_outbox_is_reported(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    container = build_container(make_settings(sqlite_url))
+    container.units_of_work().outbox_enabled = False  # a later wiring "overrode" the outbox
+    with caplog.at_level(logging.WARNING):
+        startup_diagnostics(container)
+    assert "events would bypass it" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("bus", "expected"),
+    [({"enable_outbox": True}, ["outbox", "internal_commands"]), ({"enable_outbox": False}, ["internal_commands"])],
+)
+def test_the_worker_runs_the_outbox_processor_only_when_the_outbox_is_on(
+    sqlite_url: str, bus: dict[str, bool], expected: list[str]
+) -> None:
+    container = build_container(make_settings(sqlite_url, message_bus=bus))
+    assert [source.name for source in container.sources()] == expected

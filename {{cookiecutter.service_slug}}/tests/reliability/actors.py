@@ -1,0 +1,144 @@
+"""The processes the reliability tests start (``python -m tests.reliability.actors <role>``).
+
+Each actor builds the real service container on the given database and records what it did in
+the kit's ``kit_deliveries`` table, in its own committed transaction, before it reports success:
+so a duplicate delivery, a lost row or an order violation is visible after the fact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.clock import system_clock
+from {{ cookiecutter.package_name }}.building_blocks.context import CapturedContext
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import PollingLoop
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import Delivered, SourceSettings, TableSource
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
+from {{ cookiecutter.package_name }}.container import Container, build_container, build_listener, source_settings
+
+from ..conftest import make_settings
+from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
+
+
+class RecordingDeliverer:
+    """Records each delivery; can hang on its first row (to be killed) or fail poison rows."""
+
+    def __init__(self, container: Container, name: str, *, hang_first: bool) -> None:
+        self.container = container
+        self.name = name
+        self.hang_first = hang_first
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+        if self.hang_first:
+            print("claimed", flush=True)  # the test waits for this line, then kills us
+            await asyncio.sleep(3600)
+        async with self.container.database().session() as session:
+            await session.exec(  # type: ignore[call-overload]
+                sa.insert(DELIVERIES).values(
+                    row_id=str(row.id), seq=row.seq, ordering_key=row.ordering_key, processor=self.name,
+                    token=str(token), delivered_at=time.time(),
+                )
+            )
+            await session.commit()
+        if row.payload.get("poison"):
+            msg = "poison message"
+            raise ValueError(msg)
+        return Delivered.NEEDS_STAMP
+
+
+async def pending(container: Container) -> int:
+    return (await container.admin().count_pending("outbox"))[0].pending
+
+
+async def processor(args: argparse.Namespace) -> None:
+    container = build_container(make_settings(
+        args.db,
+        application={"namespace": args.namespace, "instance_id": args.name},
+        outbox={"lease_seconds": args.lease, "max_retries": args.max_retries, "retry_backoff_base_seconds": 0.05,
+                "batch_size": args.batch},
+    ))
+    await install_kit(container, create_tables=False)
+    values = {**source_settings(container.settings()).__dict__}
+    source = TableSource(
+        name="outbox", table=OUTBOX_TABLE, name_column="event_name", settings=SourceSettings(**values),
+        database=container.database(), deliverer=RecordingDeliverer(container, args.name, hang_first=args.hang_first),
+        clock=system_clock, instance_id=args.name, metrics=container.metrics(),
+    )
+    wake = WakeSignal()
+    loop = PollingLoop(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
+    tasks = [asyncio.create_task(loop.run())]
+    if args.listen:
+        listener = build_listener(container.settings(), wake)
+        assert listener is not None
+        tasks.append(asyncio.create_task(listener.run()))
+        await asyncio.wait_for(listener.connected.wait(), 10)
+        print("listening", flush=True)
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        if args.until_empty and await pending(container) == 0:
+            break
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await container.database().dispose()
+
+
+async def consumer(args: argparse.Namespace) -> None:
+    """Consume one message (the same one in two processes) through the real pipeline."""
+    container = build_container(make_settings(args.db, application={"namespace": args.namespace}))
+    await install_kit(container, create_tables=False)
+
+    async def slow_handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        await record_effect(uow, f"consumed-by-{args.name}")
+        await asyncio.sleep(1.0)  # both processes are inside the handler before either commits
+
+    container.handlers().consume("kit.racer", CounterChangedV1, slow_handler)
+    (racer,) = [c for c in container.handlers().consumers if c.name == "kit.racer"]
+    context = CapturedContext("acme", "alice", None, "race-1", None)
+    body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
+    message = Envelope(args.message_id, "kit.counter-changed.v1", datetime.now(UTC), body, context)
+    headers = container.signer().sign(message.headers(), body)
+    start_at = float(args.start_at)
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    outcome = await container.pipeline().consume(racer, headers, body)
+    print(outcome.value, flush=True)
+    await container.database().dispose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("role", choices=["processor", "consumer"])
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--name", default="p1")
+    parser.add_argument("--namespace", default="reliability")
+    parser.add_argument("--lease", type=float, default=30)
+    parser.add_argument("--max-retries", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=50)
+    parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--seconds", type=float, default=120)
+    parser.add_argument("--hang-first", action="store_true")
+    parser.add_argument("--listen", action="store_true")
+    parser.add_argument("--until-empty", action="store_true")
+    parser.add_argument("--message-id", default="")
+    parser.add_argument("--start-at", default="0")
+    args = parser.parse_args(argv)
+    asyncio.run(processor(args) if args.role == "processor" else consumer(args))
+
+
+if __name__ == "__main__":
+    main()
+
+

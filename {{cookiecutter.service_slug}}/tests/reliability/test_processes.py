@@ -1,0 +1,176 @@
+"""Concurrency claims proven with real processes against real PostgreSQL (slow tier)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.container import Container
+
+from ..conftest import acting_as, fetch
+from ..kit import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
+
+pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def database_url(postgres_url: str) -> str:
+    return postgres_url
+
+
+def start(role: str, url: str, *args: str) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if "__" not in k}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.reliability.actors", role, "--db", url, *args],
+        cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(process: subprocess.Popen[str], timeout: float = 180) -> str:
+    stdout, stderr = process.communicate(timeout=timeout)
+    assert process.returncode == 0, stderr[-4000:]
+    return stdout
+
+
+async def seed(container: Container, rows: list[dict[str, Any]]) -> None:
+    now = datetime.now(UTC)
+    values = [
+        {"id": uuid.uuid4(), "event_name": "kit.counter-changed.v1", "kind": "integration", "payload": {},
+         "occurred_on": now, "available_on": now, "retry_count": 0, "ordering_key": None, **row}
+        for row in rows
+    ]
+    async with container.database().session() as session:
+        await session.exec(sa.insert(OUTBOX_TABLE), params=values)  # type: ignore[call-overload]
+        await session.commit()
+        await session.exec(sa.text("ANALYZE outbox_messages"))  # type: ignore[call-overload]
+
+
+async def deliveries(container: Container) -> list[Any]:
+    return await fetch(container, sa.select(DELIVERIES).order_by(DELIVERIES.c.id))
+
+
+async def test_two_processors_drain_5000_rows_each_delivered_once(container: Container) -> None:
+    await install_kit(container)
+    keyed = [{"ordering_key": f"k{i % 40}"} for i in range(2000)]
+    await seed(container, [*keyed, *({} for _ in range(3000))])
+    processes = [start("processor", container.settings().database.url, "--name", name, "--until-empty")
+                 for name in ("p1", "p2")]
+    for process in processes:
+        finish(process)
+    delivered = await deliveries(container)
+    rows = await fetch(container, sa.select(OUTBOX_TABLE.c.id, OUTBOX_TABLE.c.processed_on))
+    assert len(rows) == 5000
+    assert all(r.processed_on is not None for r in rows)
+    per_row = defaultdict(int)
+    for d in delivered:
+        per_row[d.row_id] += 1
+    assert len(per_row) == 5000
+    assert max(per_row.values()) == 1, "a row was delivered twice while its lease held"
+    assert {d.processor for d in delivered} == {"p1", "p2"}  # both really worked
+    assert_order_per_key(delivered)
+
+
+def assert_order_per_key(delivered: list[Any]) -> None:
+    first_delivery: dict[str, list[tuple[float, int]]] = defaultdict(list)
+    seen: set[str] = set()
+    for d in delivered:
+        if d.ordering_key is not None and d.row_id not in seen:
+            seen.add(d.row_id)
+            first_delivery[d.ordering_key].append((d.delivered_at, d.seq))
+    for key, items in first_delivery.items():
+        seqs = [seq for _, seq in sorted(items)]
+        assert seqs == sorted(seqs), f"key {key} was delivered out of order"
+
+
+async def test_a_killed_processors_rows_are_delivered_after_its_lease(container: Container) -> None:
+    await install_kit(container)
+    await seed(container, [{} for _ in range(20)])
+    url = container.settings().database.url
+    doomed = start("processor", url, "--name", "doomed", "--hang-first", "--lease", "3", "--batch", "10")
+    assert doomed.stdout is not None
+    assert doomed.stdout.readline().strip() == "claimed"
+    killed_at = time.time()
+    doomed.send_signal(signal.SIGKILL)
+    doomed.communicate(timeout=10)  # reaps it and closes its pipes
+    leased = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.locked_by == "doomed"))
+    assert len(leased) == 10
+    lease_end = max(r.locked_until for r in leased).timestamp()
+    finish(start("processor", url, "--name", "survivor", "--until-empty", "--lease", "3"))
+    delivered = await deliveries(container)
+    by_row = {d.row_id: d for d in delivered}
+    assert len(by_row) == 20
+    for r in leased:
+        assert by_row[str(r.id)].processor == "survivor"
+        assert by_row[str(r.id)].delivered_at >= lease_end - 0.5  # not before the lease ran out
+    assert lease_end > killed_at
+
+
+async def test_order_per_key_holds_under_two_processors_with_a_poison_head(container: Container) -> None:
+    await install_kit(container)
+    rows = []
+    for index in range(20):
+        for key in ("a", "b", "poisoned", "c"):
+            poison = key == "poisoned" and index == 0
+            rows.append({"ordering_key": key, "payload": {"poison": True} if poison else {}})
+    await seed(container, rows)
+    url = container.settings().database.url
+    processes = [start("processor", url, "--name", n, "--until-empty", "--max-retries", "3", "--batch", "5")
+                 for n in ("p1", "p2")]
+    for process in processes:
+        finish(process)
+    delivered = await deliveries(container)
+    assert_order_per_key(delivered)
+    state = await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
+    poison = [r for r in state if r.payload.get("poison")]
+    assert [(r.retry_count, r.dead_letter_reason) for r in poison] == [(3, "retries_exhausted")]
+    followers = [r for r in state if r.ordering_key == "poisoned" and not r.payload.get("poison")]
+    assert all(r.processed_on is not None and r.processed_on >= poison[0].dead_lettered_on for r in followers)
+    poison_deliveries = [d for d in delivered if d.row_id == str(poison[0].id)]
+    assert len(poison_deliveries) == 3
+
+
+async def test_notify_wakes_another_processs_processor(container: Container) -> None:
+    await install_kit(container)
+    url = container.settings().database.url
+    namespace = container.settings().application.resolved_namespace
+    sleeper = start("processor", url, "--name", "listener", "--listen", "--interval", "60", "--seconds", "8",
+                    "--namespace", namespace)
+    assert sleeper.stdout is not None
+    assert sleeper.stdout.readline().strip() == "listening"
+    time.sleep(0.5)  # its first poll (on connect) has run; now it sleeps for 60 s
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            uow.enqueue(CounterChangedV1(counter_id="c", value=1))
+            committed_at = time.time()
+            await uow.commit()
+    finish(sleeper)
+    (delivery,) = await deliveries(container)
+    assert delivery.processor == "listener"
+    assert delivery.delivered_at - committed_at < 3.0, "the processor waited for its 60 s interval"
+
+
+async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(container: Container) -> None:
+    await install_kit(container)
+    url = container.settings().database.url
+    message_id, start_at = str(uuid.uuid4()), f"{time.time() + 2.0}"
+    racers = [start("consumer", url, "--name", name, "--message-id", message_id, "--start-at", start_at)
+              for name in ("c1", "c2")]
+    outcomes = sorted(finish(racer).strip() for racer in racers)
+    assert outcomes == ["consumed", "duplicate"]
+    effects = await fetch(container, sa.select(EFFECTS.c.label))
+    assert len(effects) == 1
+    inbox = await fetch(container, sa.text("SELECT message_id FROM inbox_messages"))
+    assert [r[0] for r in inbox] == [message_id]

@@ -1,0 +1,159 @@
+"""The FastStream transport for all four brokers, on FastStream's in-memory test brokers.
+
+Fast, and the only tier for Kafka (no Kafka server on the build machines). Redelivery timing,
+dead-letter destinations and crash behaviour need real brokers: see
+tests/integration/test_brokers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from faststream.kafka import TestKafkaBroker
+from faststream.nats import TestNatsBroker
+from faststream.rabbit import TestRabbitBroker
+from faststream.redis import TestRedisBroker
+
+from {{ cookiecutter.package_name }}.building_blocks.context import capture
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope, Signer
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.container import Container, build_container
+
+from ..conftest import acting_as, make_settings
+from ..kit import CounterChangedV1, effects, install_kit, record_effect
+
+pytestmark = pytest.mark.unit
+TEST_BROKERS: dict[str, Any] = {
+    "rabbitmq": TestRabbitBroker,
+    "kafka": TestKafkaBroker,
+    "nats": TestNatsBroker,
+    "redis": TestRedisBroker,
+}
+
+
+def capture_dead_letters(container: Container, transport: str) -> list[dict[str, str]]:
+    """Subscribe to the consumer's dead-letter destination (test brokers need a subscriber)."""
+    bus = container.bus()
+    names, broker, captured = bus.names, bus.broker, []  # type: ignore[attr-defined]
+
+    async def collect(body: Any, message: Any) -> None:  # noqa: ANN401
+        del body
+        captured.append({k: str(v) for k, v in (message.headers or {}).items()})
+
+    if transport == "nats":
+        from faststream.nats import JStream  # noqa: PLC0415
+
+        subscriber = broker.subscriber(
+            names.dead_letter_subject("kit.observer"), stream=JStream(names.stream("dead_letters"), declare=False)
+        )
+    elif transport == "redis":
+        subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"))
+    else:
+        subscriber = broker.subscriber(names.dead_letters("kit.observer"))
+    from faststream import Context  # noqa: PLC0415
+
+    async def handler(body: Any, message: Any = Context("message")) -> None:  # noqa: ANN401, B008
+        await collect(body, message)
+
+    subscriber(handler)
+    return captured
+
+
+class Observer:
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.seen: list[tuple[str | None, str | None]] = []
+
+    async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+
+        self.seen.append((current_context().tenant_id, current_context().authentication_type))
+        if self.failures:
+            self.failures -= 1
+            msg = "observer fails"
+            raise RuntimeError(msg)
+        await record_effect(uow, f"consumed:{event.value}")
+
+
+@asynccontextmanager
+async def in_memory(transport: str, sqlite_url: str, failures: int = 0) -> AsyncIterator[tuple[Container, Observer]]:
+    container = build_container(make_settings(
+        sqlite_url,
+        message_bus={"transport": transport, "url": "", "max_delivery_attempts": 3, "redelivery_delay_seconds": 0.01},
+    ))
+    await install_kit(container)
+    observer = Observer(failures)
+    container.handlers().consume("kit.observer", CounterChangedV1, observer)
+    container.dead_letters = capture_dead_letters(container, transport)  # type: ignore[attr-defined]
+    try:
+        async with TEST_BROKERS[transport](container.bus().broker):
+            yield container, observer
+    finally:
+        await container.database().dispose()
+
+
+def envelope(value: int, message_id: str | None = None) -> Envelope:
+    with acting_as(tenant="globex", user="bob"):
+        context = capture()
+    body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
+    return Envelope(message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context)
+
+
+async def consumed(container: Container) -> list[str]:
+    async with container.database().session() as session:
+        return await effects(session)
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+async def test_a_message_is_consumed_once_under_the_senders_context(transport: str, sqlite_url: str) -> None:
+    async with in_memory(transport, sqlite_url) as (container, observer):
+        message = envelope(1)
+        await container.bus().publish(message)
+        await container.bus().publish(message)
+        assert await consumed(container) == ["consumed:1"]
+        assert observer.seen == [("globex", "message")]
+        assert container.metrics().inbox_duplicates.labels("kit.observer")._value.get() == 1  # noqa: SLF001
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+async def test_a_forged_message_is_rejected_without_running_the_handler(transport: str, sqlite_url: str) -> None:
+    async with in_memory(transport, sqlite_url) as (container, observer):
+        forged = envelope(9)
+        forger = Signer({"test": "wrong"}, "test", allow_unsigned=False)
+        await container.bus().transport.publish(forged, forger.sign(forged.headers(), forged.body))  # type: ignore[attr-defined]
+        assert observer.seen == []
+        rejected = container.metrics().inbox_rejected.labels("kit.observer", "bad_signature")
+        assert rejected._value.get() == 1  # noqa: SLF001
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-message-id"] == forged.message_id
+        assert "bad_signature" in letter["x-error"]
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+async def test_a_failure_rolls_back_the_inbox_row_and_effects(transport: str, sqlite_url: str) -> None:
+    async with in_memory(transport, sqlite_url, failures=1) as (container, observer):
+        await container.bus().publish(envelope(2))
+        if transport == "kafka":  # redelivered through the retry topic, inline under the test broker
+            assert len(observer.seen) == 2
+            assert await consumed(container) == ["consumed:2"]
+        else:  # the broker redelivers later (real-broker tests prove it); nothing was kept
+            assert len(observer.seen) == 1
+            assert await consumed(container) == []
+        assert container.metrics().inbox_failures.labels("kit.observer")._value.get() == 1  # noqa: SLF001
+
+
+async def test_kafka_dead_letters_after_the_last_attempt(sqlite_url: str) -> None:
+    async with in_memory("kafka", sqlite_url, failures=99) as (container, observer):
+        message = envelope(3)
+        await container.bus().publish(message)
+        assert len(observer.seen) == 3
+        assert await consumed(container) == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert (letter["x-message-id"], letter["x-attempts"]) == (message.message_id, "3")
+        assert "RuntimeError: observer fails" in letter["x-error"]
