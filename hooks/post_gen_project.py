@@ -29,6 +29,7 @@ REMOVALS: tuple[tuple[str, object, tuple[str, ...]], ...] = (
         (
             f"{PACKAGE}/orders",
             f"{PACKAGE}/notifications",
+            f"{PACKAGE}/contracts/orders.py",
             "migrations/versions/*_example_contexts.py",
             "tests/*/test_example_*.py",
         ),

@@ -24,9 +24,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
-from datetime import UTC, datetime, timedelta
 from urllib.parse import urlparse
 
 import pytest
@@ -40,7 +40,10 @@ from {{ cookiecutter.package_name }}.entrypoints import migrations
 from {{ cookiecutter.package_name }}.settings import Settings
 
 for _name in list(os.environ):
-    if re.match(r"(ENVIRONMENT$|APPLICATION__|DATABASE__|MESSAGE_BUS__|OUTBOX__|INBOX__|AUTH__|API__|LOGGING__)", _name):
+    if re.match(
+        r"(ENVIRONMENT$|APPLICATION__|DATABASE__|MESSAGE_BUS__|OUTBOX__|INBOX__|AUTH__|API__|LOGGING__)",
+        _name,
+    ):
         del os.environ[_name]
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
@@ -59,7 +62,9 @@ def service_reachable(name: str) -> bool:
     if name not in _reachable:
         url = urlparse(SERVICE_URLS[name].replace("postgresql+asyncpg", "postgresql"))
         try:
-            with socket.create_connection((url.hostname or "127.0.0.1", url.port or DEFAULT_PORTS[name]), 1.0):
+            with socket.create_connection(
+                (url.hostname or "127.0.0.1", url.port or DEFAULT_PORTS[name]), 1.0
+            ):
                 _reachable[name] = True
         except OSError:
             _reachable[name] = False
@@ -223,7 +228,10 @@ async def container(make_container: ContainerFactory) -> Container:
 
 @contextmanager
 def acting_as(
-    tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ("clerk",), correlation_id: str = "corr-1"
+    tenant: str = "acme",
+    user: str = "alice",
+    roles: tuple[str, ...] = ("clerk",),
+    correlation_id: str = "corr-1",
 ) -> Iterator[RequestContext]:
     """Run a block as a given caller (what the API middleware does for a request)."""
     context = RequestContext(
@@ -238,7 +246,7 @@ def acting_as(
         yield active
 
 
-async def fetch(container: Container, statement: Any) -> list[Any]:  # noqa: ANN401
+async def fetch(container: Container, statement: Any) -> list[Any]:
     """Rows of ``statement`` read in a fresh session."""
     async with container.database().session() as session:
         return list((await session.exec(statement)).all())
@@ -266,14 +274,19 @@ class FakeClock:
 @asynccontextmanager
 async def live_server(container: Container, *, with_worker: bool = True) -> AsyncIterator[str]:
     """The app on a real uvicorn server (lifespan included), on a free port of this loop."""
-    import uvicorn  # noqa: PLC0415
+    import uvicorn
 
-    from {{ cookiecutter.package_name }}.entrypoints.app import create_app  # noqa: PLC0415
+    from {{ cookiecutter.package_name }}.entrypoints.app import create_app
 
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(create_app(container, with_worker=with_worker), host="127.0.0.1", port=port,
-                       log_config=None, lifespan="on")
+        uvicorn.Config(
+            create_app(container, with_worker=with_worker),
+            host="127.0.0.1",
+            port=port,
+            log_config=None,
+            lifespan="on",
+        )
     )
     task = asyncio.create_task(server.serve())
     try:
@@ -289,5 +302,7 @@ async def live_server(container: Container, *, with_worker: bool = True) -> Asyn
         await asyncio.wait_for(task, 20)
 
 
-def token_for(container: Container, tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ()) -> str:
+def token_for(
+    container: Container, tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ()
+) -> str:
     return container.tokens().mint(user_id=user, tenant_id=tenant, roles=roles)

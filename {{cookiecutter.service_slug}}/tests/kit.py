@@ -116,7 +116,9 @@ class SqlCounters(Repository[Counter]):
     async def _load(self, aggregate_id: str) -> Counter | None:
         row = (
             await self.session.exec(  # type: ignore[call-overload]
-                sa.select(COUNTERS).where(COUNTERS.c.id == aggregate_id, COUNTERS.c.tenant_id == self.tenant_id)
+                sa.select(COUNTERS).where(
+                    COUNTERS.c.id == aggregate_id, COUNTERS.c.tenant_id == self.tenant_id
+                )
             )
         ).first()
         if row is None:
@@ -162,7 +164,7 @@ class Kit:
         self.container.handlers().on_domain_event(event_type, handler)
 
     def recording(self, label: str) -> Handler:
-        async def handler(event: Any, uow: UnitOfWork) -> None:  # noqa: ANN401
+        async def handler(event: Any, uow: UnitOfWork) -> None:
             self.seen.append((label, event))
             await record_effect(uow, f"{label}:{event.message_name}")
 

@@ -25,6 +25,7 @@ from .building_blocks.handlers import HandlerRegistry
 from .building_blocks.inbox.pipeline import ConsumePipeline
 from .building_blocks.messaging.bus import MessageBus
 from .building_blocks.messaging.circuit import CircuitBreaker
+from .building_blocks.messaging.direct import DirectPublisher
 from .building_blocks.messaging.envelope import Signer
 from .building_blocks.messaging.inprocess import InProcessBus
 from .building_blocks.module import Module, collect_adapters, discover_modules, import_table_modules
@@ -96,6 +97,11 @@ def build_signer(settings: Settings) -> Signer:
     bus = settings.message_bus
     keys = {kid: secret.get_secret_value() for kid, secret in bus.signing_keys.items()}
     return Signer(keys, bus.active_key_id, allow_unsigned=bus.allow_unsigned or not keys)
+
+
+def build_direct_publisher(container: Container, registry: MessageRegistry) -> DirectPublisher:
+    """Integration events published right after commit when the outbox is off (in-process)."""
+    return DirectPublisher(container.bus, registry)
 
 
 def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
@@ -190,6 +196,7 @@ def build_listener(settings: Settings, wake: WakeSignal) -> PostgresListener | N
 class Container(containers.DeclarativeContainer):
     """Every long-lived object of the service, built once per process."""
 
+    __self__ = providers.Self()
     settings = providers.Singleton(Settings)
     clock = providers.Object(system_clock)
     modules = providers.Singleton(build_modules)
@@ -200,7 +207,10 @@ class Container(containers.DeclarativeContainer):
     database = providers.Singleton(Database, settings.provided.database)
     writer = providers.Singleton(build_writer, settings, registry, handlers, database)
     dispatcher = providers.Singleton(
-        LocalDispatcher, handlers, max_cascade_depth=settings.provided.outbox.max_cascade_depth
+        LocalDispatcher,
+        handlers,
+        max_cascade_depth=settings.provided.outbox.max_cascade_depth,
+        publish_direct=providers.Singleton(build_direct_publisher, __self__, registry),
     )
     units_of_work = providers.Singleton(
         UnitOfWorkFactory,
@@ -221,6 +231,7 @@ class Container(containers.DeclarativeContainer):
         inbox_enabled=settings.provided.message_bus.inbox_enabled,
         metrics=metrics,
         clock=clock,
+        max_header_bytes=settings.provided.message_bus.max_header_bytes,
     )
     bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics)
     breaker = providers.Singleton(
@@ -245,7 +256,13 @@ class Container(containers.DeclarativeContainer):
         clock=clock,
         metrics=metrics,
     )
-    admin = providers.Singleton(OutboxAdministration, database=database, clock=clock, wake=wake.provided.set)
+    admin = providers.Singleton(
+        OutboxAdministration,
+        database=database,
+        clock=clock,
+        wake=wake.provided.set,
+        notify_channel=providers.Callable(notify_channel, settings.provided.application.resolved_namespace),
+    )
     tokens = providers.Singleton(build_tokens, settings)
     listener = providers.Singleton(build_listener, settings, wake)
     worker = providers.Singleton(

@@ -34,7 +34,7 @@ class ScriptedDeliverer:
 
 
 def outbox_source(
-    container: Container, deliverer: Any, clock: FakeClock | None = None, **overrides: Any  # noqa: ANN401
+    container: Container, deliverer: Any, clock: FakeClock | None = None, **overrides: Any
 ) -> TableSource:
     settings = source_settings(container.settings())
     values = {**settings.__dict__, **overrides}
@@ -67,7 +67,9 @@ async def insert_rows(container: Container, rows: list[dict[str, Any]]) -> list[
     return ids
 
 
-def row(name: str, at: datetime, key: str | None = None, kind: str = "integration", **extra: Any) -> dict[str, Any]:  # noqa: ANN401
+def row(
+    name: str, at: datetime, key: str | None = None, kind: str = "integration", **extra: Any
+) -> dict[str, Any]:
     return {
         "event_name": name,
         "kind": kind,
@@ -80,7 +82,7 @@ def row(name: str, at: datetime, key: str | None = None, kind: str = "integratio
     }
 
 
-async def state(container: Container, row_id: uuid.UUID) -> Any:  # noqa: ANN401
+async def state(container: Container, row_id: uuid.UUID) -> Any:
     async with container.database().session() as session:
         return (await session.exec(sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.id == row_id))).one()  # type: ignore[call-overload]
 

@@ -51,7 +51,8 @@ async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> N
         anonymous = await client.get("/admin/outbox/pending")
         bad = await client.get("/admin/outbox/pending", headers={"Authorization": "Bearer not-a-jwt"})
         clerk = await client.get(
-            "/admin/outbox/pending", headers={"Authorization": f"Bearer {token_for(container, roles=('clerk',))}"}
+            "/admin/outbox/pending",
+            headers={"Authorization": f"Bearer {token_for(container, roles=('clerk',))}"},
         )
         admin_headers = {"Authorization": f"Bearer {token_for(container, roles=('outbox-admin',))}"}
         admin = await client.get("/admin/outbox/pending", headers=admin_headers)
@@ -59,7 +60,12 @@ async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> N
         missing = await client.get(
             "/admin/outbox/outbox/00000000-0000-0000-0000-000000000000/explain", headers=admin_headers
         )
-    assert (anonymous.status_code, bad.status_code, clerk.status_code, admin.status_code) == (401, 401, 403, 200)
+    assert (anonymous.status_code, bad.status_code, clerk.status_code, admin.status_code) == (
+        401,
+        401,
+        403,
+        200,
+    )
     assert "invalid bearer token" in bad.json()["detail"]
     assert [c["source"] for c in admin.json()] == ["outbox", "internal_commands"]
     assert unknown.status_code == 400

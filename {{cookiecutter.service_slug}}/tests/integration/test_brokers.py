@@ -11,9 +11,9 @@ import asyncio
 import json
 import time
 import uuid
-from datetime import UTC, datetime
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -45,15 +45,17 @@ class Observer:
 
     async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
         context = current_context()
-        self.seen.append({
-            "message_id": current_delivery().message_id,
-            "tenant": context.tenant_id,
-            "user": context.user_id,
-            "roles": context.roles,
-            "correlation": context.correlation_id,
-            "authentication": context.authentication_type,
-            "value": event.value,
-        })
+        self.seen.append(
+            {
+                "message_id": current_delivery().message_id,
+                "tenant": context.tenant_id,
+                "user": context.user_id,
+                "roles": context.roles,
+                "correlation": context.correlation_id,
+                "authentication": context.authentication_type,
+                "value": event.value,
+            }
+        )
         if self.failures_left != 0:
             self.failures_left -= 1
             msg = f"observer failure, {self.failures_left} left"
@@ -69,14 +71,23 @@ async def start(sqlite_url: str) -> AsyncIterator[Start]:
     """Start a container with the kit's consumer on ``transport`` (worker included)."""
     running: list[Container] = []
 
-    async def starter(transport: str, *, namespace: str | None = None, failures: int = 0,
-                      signing: dict[str, str] | None = None) -> tuple[Container, Observer]:
+    async def starter(
+        transport: str,
+        *,
+        namespace: str | None = None,
+        failures: int = 0,
+        signing: dict[str, str] | None = None,
+    ) -> tuple[Container, Observer]:
         settings = make_settings(
             sqlite_url,
             application={"namespace": namespace or f"t{uuid.uuid4().hex[:10]}"},
-            message_bus={"transport": transport, "url": SERVICE_URLS[transport], "max_delivery_attempts": 3,
-                         "redelivery_delay_seconds": 0.3,
-                         **({"signing_keys": signing, "signing_key_id": next(iter(signing))} if signing else {})},
+            message_bus={
+                "transport": transport,
+                "url": SERVICE_URLS[transport],
+                "max_delivery_attempts": 3,
+                "redelivery_delay_seconds": 0.3,
+                **({"signing_keys": signing, "signing_key_id": next(iter(signing))} if signing else {}),
+            },
             outbox={"polling_interval_seconds": 0.2},
         )
         container = build_container(settings)
@@ -94,7 +105,7 @@ async def start(sqlite_url: str) -> AsyncIterator[Start]:
         await container.database().dispose()
 
 
-async def publish_through_outbox(container: Container, value: int, **context: Any) -> None:  # noqa: ANN401
+async def publish_through_outbox(container: Container, value: int, **context: Any) -> None:
     with acting_as(**context):
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value, aggregate_id="c-1"))
@@ -118,7 +129,7 @@ async def effects_become(container: Container, expected: list[str], timeout: flo
 
 
 async def effects_of(container: Container) -> list[str]:
-    from ..kit import effects  # noqa: PLC0415
+    from ..kit import effects
 
     async with container.database().session() as session:
         return await effects(session)
@@ -127,10 +138,17 @@ async def effects_of(container: Container) -> list[str]:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_the_senders_context_travels_across_the_broker(start: Start, transport: str) -> None:
     container, observer = await start(transport)
-    await publish_through_outbox(container, 1, tenant="globex", user="bob", roles=("buyer", "vip"), correlation_id="c-42")
+    await publish_through_outbox(
+        container, 1, tenant="globex", user="bob", roles=("buyer", "vip"), correlation_id="c-42"
+    )
     await eventually(lambda: len(observer.seen) == 1)
     (seen,) = observer.seen
-    assert (seen["tenant"], seen["user"], seen["roles"], seen["correlation"]) == ("globex", "bob", ("buyer", "vip"), "c-42")
+    assert (seen["tenant"], seen["user"], seen["roles"], seen["correlation"]) == (
+        "globex",
+        "bob",
+        ("buyer", "vip"),
+        "c-42",
+    )
     assert seen["authentication"] == "message"
     await effects_become(container, ["consumed:1"])
     rows = await container.admin().count_pending("outbox")
@@ -141,7 +159,9 @@ def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="acme"):
         context = capture()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
-    return Envelope(message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context)
+    return Envelope(
+        message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context
+    )
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -181,7 +201,9 @@ async def test_a_handler_that_recovers_has_exactly_one_effect(start: Start, tran
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(start: Start, transport: str) -> None:
+async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(
+    start: Start, transport: str
+) -> None:
     container, observer = await start(transport)
     forged = envelope(666)
     forger = Signer({"test": "not-the-real-secret"}, "test", allow_unsigned=False)
@@ -201,9 +223,11 @@ async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(star
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(start: Start, transport: str) -> None:
+async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(
+    start: Start, transport: str
+) -> None:
     first, first_observer = await start(transport)
-    second, second_observer = await start(transport)
+    _second, second_observer = await start(transport)
     await publish_through_outbox(first, 11)
     await effects_become(first, ["consumed:11"])
     await asyncio.sleep(1.0)

@@ -22,7 +22,12 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if "__" not in k}
     return subprocess.run(
         [sys.executable, "-m", "{{ cookiecutter.package_name }}", *args],
-        cwd=PROJECT, env=clean | env, capture_output=True, text=True, timeout=60, check=False,
+        cwd=PROJECT,
+        env=clean | env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
@@ -34,8 +39,9 @@ def test_a_broker_with_the_outbox_explicitly_off_refuses_to_start() -> None:
 
 
 def test_production_refuses_dev_tokens() -> None:
-    result = run_cli("token", "--tenant", "t", "--user", "u", ENVIRONMENT="production",
-                     AUTH__JWT_SECRET="x" * 40)
+    result = run_cli(
+        "token", "--tenant", "t", "--user", "u", ENVIRONMENT="production", AUTH__JWT_SECRET="x" * 40
+    )
     assert result.returncode == 2
     assert "refused in production" in result.stderr
 
@@ -59,7 +65,10 @@ def test_a_composition_root_that_bypasses_the_outbox_is_reported(
 
 @pytest.mark.parametrize(
     ("bus", "expected"),
-    [({"enable_outbox": True}, ["outbox", "internal_commands"]), ({"enable_outbox": False}, ["internal_commands"])],
+    [
+        ({"enable_outbox": True}, ["outbox", "internal_commands"]),
+        ({"enable_outbox": False}, ["internal_commands"]),
+    ],
 )
 def test_the_worker_runs_the_outbox_processor_only_when_the_outbox_is_on(
     sqlite_url: str, bus: dict[str, bool], expected: list[str]

@@ -22,7 +22,9 @@ def auth(container: Container, tenant: str = "acme", user: str = "alice") -> dic
     return {"Authorization": f"Bearer {token_for(container, tenant, user)}"}
 
 
-async def wait_for_notifications(client: httpx.AsyncClient, order_id: str, headers: dict[str, str], count: int) -> list[Any]:
+async def wait_for_notifications(
+    client: httpx.AsyncClient, order_id: str, headers: dict[str, str], count: int
+) -> list[Any]:
     for _ in range(200):
         found = (await client.get(f"/notifications?order_id={order_id}", headers=headers)).json()
         if len(found) >= count:
@@ -43,7 +45,9 @@ async def test_place_read_cancel_and_see_the_notifications(container: Container)
         assert notification["event_name"] == "orders.order-placed.v1"
         assert (notification["tenant_id"], notification["user_id"]) == ("acme", "alice")
         assert notification["correlation_id"] == "checkout-7"
-        cancelled = await client.post(f"/orders/{order['id']}/cancel", json={"reason": "changed my mind"}, headers=headers)
+        cancelled = await client.post(
+            f"/orders/{order['id']}/cancel", json={"reason": "changed my mind"}, headers=headers
+        )
         assert cancelled.json()["status"] == "cancelled"
         again = await client.post(f"/orders/{order['id']}/cancel", headers=headers)
         assert again.status_code == 409
@@ -70,7 +74,9 @@ async def test_unknown_other_tenant_and_anonymous_requests(container: Container)
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         order = (await client.post("/orders", json=ORDER, headers=auth(container))).json()
         foreign = await client.get(f"/orders/{order['id']}", headers=auth(container, tenant="globex"))
-        foreign_cancel = await client.post(f"/orders/{order['id']}/cancel", headers=auth(container, tenant="globex"))
+        foreign_cancel = await client.post(
+            f"/orders/{order['id']}/cancel", headers=auth(container, tenant="globex")
+        )
         unknown = await client.get("/orders/does-not-exist", headers=auth(container))
         anonymous = await client.post("/orders", json=ORDER)
         still_placed = await client.get(f"/orders/{order['id']}", headers=auth(container))

@@ -11,11 +11,11 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import generate_latest
 
+from {{ cookiecutter.package_name }}.building_blocks.commands import COMMAND_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import AdminError
 from {{ cookiecutter.package_name }}.building_blocks.persistence.models import DeadLetterReplay, InboxMessage
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
 from {{ cookiecutter.package_name }}.container import Container
-from {{ cookiecutter.package_name }}.building_blocks.commands import COMMAND_TABLE
 
 from ..conftest import FakeClock, acting_as, fetch
 from ..kit import RecordEffect, install_kit, record_effect
@@ -25,20 +25,28 @@ pytestmark = pytest.mark.integration
 
 
 async def test_cleanup_deletes_exactly_what_is_past_retention(
-    make_container: Any, caplog: pytest.LogCaptureFixture  # noqa: ANN401
+    make_container: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
-    container = make_container(outbox={"retention_days": 7, "dead_letter_retention_days": 30}, inbox={"retention_days": 2})
+    container = make_container(
+        outbox={"retention_days": 7, "dead_letter_retention_days": 30}, inbox={"retention_days": 2}
+    )
     now = container.clock()()
     days = timedelta(days=1)
-    keep = await insert_rows(container, [
-        row("kit.a.v1", now - 6 * days, processed_on=now),                     # processed, young
-        row("kit.a.v1", now - 20 * days, dead_lettered_on=now, dead_letter_reason="x"),  # dead, < 30 d
-        row("kit.a.v1", now - 90 * days),                                       # still pending: never
-    ])
-    gone = await insert_rows(container, [
-        row("kit.a.v1", now - 8 * days, processed_on=now - 8 * days),
-        row("kit.a.v1", now - 31 * days, dead_lettered_on=now - 31 * days, dead_letter_reason="x"),
-    ])
+    keep = await insert_rows(
+        container,
+        [
+            row("kit.a.v1", now - 6 * days, processed_on=now),  # processed, young
+            row("kit.a.v1", now - 20 * days, dead_lettered_on=now, dead_letter_reason="x"),  # dead, < 30 d
+            row("kit.a.v1", now - 90 * days),  # still pending: never
+        ],
+    )
+    gone = await insert_rows(
+        container,
+        [
+            row("kit.a.v1", now - 8 * days, processed_on=now - 8 * days),
+            row("kit.a.v1", now - 31 * days, dead_lettered_on=now - 31 * days, dead_letter_reason="x"),
+        ],
+    )
     async with container.database().session() as session:
         session.add(InboxMessage(message_id="old", consumer="c", event_name="e", received_on=now - 3 * days))
         session.add(InboxMessage(message_id="new", consumer="c", event_name="e", received_on=now - days / 2))
@@ -56,7 +64,7 @@ async def test_cleanup_deletes_exactly_what_is_past_retention(
     assert "deleted 1 processed row(s) from outbox" in caplog.text
 
 
-async def test_cleanup_in_batches_removes_everything_due(make_container: Any) -> None:  # noqa: ANN401
+async def test_cleanup_in_batches_removes_everything_due(make_container: Any) -> None:
     container = make_container(outbox={"retention_days": 1, "cleanup_batch_size": 7})
     old = container.clock()() - timedelta(days=3)
     await insert_rows(container, [row("kit.a.v1", old, processed_on=old) for _ in range(30)])
@@ -64,7 +72,7 @@ async def test_cleanup_in_batches_removes_everything_due(make_container: Any) ->
     assert await all_rows(container) == []
 
 
-async def test_retention_zero_disables_cleanup(make_container: Any) -> None:  # noqa: ANN401
+async def test_retention_zero_disables_cleanup(make_container: Any) -> None:
     container = make_container(outbox={"retention_days": 0})
     old = container.clock()() - timedelta(days=300)
     await insert_rows(container, [row("kit.a.v1", old, processed_on=old)])
@@ -72,13 +80,24 @@ async def test_retention_zero_disables_cleanup(make_container: Any) -> None:  # 
     assert len(await all_rows(container)) == 1
 
 
-async def dead_letter(container: Container, count: int, **extra: Any) -> list[uuid.UUID]:  # noqa: ANN401
+async def dead_letter(container: Container, count: int, **extra: Any) -> list[uuid.UUID]:
     now = container.clock()()
-    return await insert_rows(container, [
-        row("kit.a.v1", now - timedelta(minutes=count - i), dead_lettered_on=now, dead_letter_reason="retries_exhausted",
-            retry_count=5, last_error=f"boom {i}", payload={"secret": "personal data"}, **extra)
-        for i in range(count)
-    ])
+    return await insert_rows(
+        container,
+        [
+            row(
+                "kit.a.v1",
+                now - timedelta(minutes=count - i),
+                dead_lettered_on=now,
+                dead_letter_reason="retries_exhausted",
+                retry_count=5,
+                last_error=f"boom {i}",
+                payload={"secret": "personal data"},
+                **extra,
+            )
+            for i in range(count)
+        ],
+    )
 
 
 async def test_dead_letters_are_listed_oldest_first_paged_without_payload(container: Container) -> None:
@@ -100,7 +119,12 @@ async def test_replay_resets_retries_clears_the_lease_keeps_error_and_place(cont
     result = await container.admin().replay("outbox", [str(ids[0])], actor="operator-1")
     assert result.replayed == [str(ids[0])]
     after = await state(container, ids[0])
-    assert (after.retry_count, after.dead_lettered_on, after.locked_until, after.lock_token) == (0, None, None, None)
+    assert (after.retry_count, after.dead_lettered_on, after.locked_until, after.lock_token) == (
+        0,
+        None,
+        None,
+        None,
+    )
     assert after.last_error == before.last_error
     assert (after.occurred_on, after.seq) == (before.occurred_on, before.seq)
     (audit,) = await fetch(container, sa.select(DeadLetterReplay.__table__))  # type: ignore[attr-defined]
@@ -137,7 +161,9 @@ async def test_count_pending_includes_leased_rows(container: Container) -> None:
 async def test_explain_says_why_a_row_is_or_is_not_moving(container: Container) -> None:
     clock = FakeClock()
     head, follower = await insert_rows(container, [row("kit.a.v1", clock.now, key="k") for _ in range(2)])
-    (future,) = await insert_rows(container, [row("kit.a.v1", clock.now, available_on=clock.now + timedelta(hours=1))])
+    (future,) = await insert_rows(
+        container, [row("kit.a.v1", clock.now, available_on=clock.now + timedelta(hours=1))]
+    )
     (dead,) = await dead_letter(container, 1)
     admin = container.admin()
     assert (await admin.explain("outbox", str(follower))).state == "blocked"
@@ -160,7 +186,7 @@ async def test_explain_reports_backoff_and_processed(container: Container) -> No
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
 
-    async def fails(_row: Any) -> Any:  # noqa: ANN401
+    async def fails(_row: Any) -> Any:
         raise ConnectionError("down")
 
     source = outbox_source(container, ScriptedDeliverer(fails), clock)
@@ -180,24 +206,30 @@ async def test_metrics_agree_with_the_table(container: Container) -> None:
     source = outbox_source(container, ScriptedDeliverer(), clock, batch_size=2)
     await source.run_cycle()
     metrics = container.metrics()
-    assert metrics.oldest_pending_age.labels("outbox")._value.get() == pytest.approx(90)  # noqa: SLF001
-    assert metrics.dispatched.labels("outbox", "integration")._value.get() == 2  # noqa: SLF001
+    assert metrics.oldest_pending_age.labels("outbox")._value.get() == pytest.approx(90)
+    assert metrics.dispatched.labels("outbox", "integration")._value.get() == 2
     await source.run_cycle()
     await source.run_cycle()
-    assert metrics.oldest_pending_age.labels("outbox")._value.get() == 0  # noqa: SLF001
+    assert metrics.oldest_pending_age.labels("outbox")._value.get() == 0
     worker = container.worker()
-    depth_task = worker._sample_depth()  # noqa: SLF001
-    import asyncio  # noqa: PLC0415
+    depth_task = worker._sample_depth()
+    import asyncio
 
     task = asyncio.ensure_future(depth_task)
     await asyncio.sleep(0.3)
     task.cancel()
     pending_total = (await container.admin().count_pending("outbox"))[0].pending
-    assert metrics.pending_depth.labels("outbox")._value.get() == pending_total == 0  # noqa: SLF001
+    assert metrics.pending_depth.labels("outbox")._value.get() == pending_total == 0
     exposition = generate_latest(metrics.registry).decode()
-    for name in ("outbox_pending_depth", "outbox_oldest_pending_age_seconds", "outbox_dispatch_lag_seconds",
-                 "outbox_dispatched_total", "outbox_dead_letters_total", "outbox_processor_heartbeat_timestamp_seconds",
-                 "inbox_duplicates_total"):
+    for name in (
+        "outbox_pending_depth",
+        "outbox_oldest_pending_age_seconds",
+        "outbox_dispatch_lag_seconds",
+        "outbox_dispatched_total",
+        "outbox_dead_letters_total",
+        "outbox_processor_heartbeat_timestamp_seconds",
+        "inbox_duplicates_total",
+    ):
         assert name in exposition
 
 
@@ -206,7 +238,7 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     seen: list[tuple[str | None, str]] = []
 
     async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
 
         seen.append((current_context().tenant_id, current_context().authentication_type or ""))
         await record_effect(uow, command.label)

@@ -43,7 +43,9 @@ async def test_failures_back_off_with_jitter_and_dead_letter_after_exactly_max_r
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     deliverer = ScriptedDeliverer(fail)
-    source = outbox_source(container, deliverer, clock, max_retries=3, retry_backoff_base_seconds=10, lease_seconds=300)
+    source = outbox_source(
+        container, deliverer, clock, max_retries=3, retry_backoff_base_seconds=10, lease_seconds=300
+    )
     for attempt, nominal in ((1, 10), (2, 20)):
         await source.run_cycle()
         current = await state(container, row_id)
@@ -63,7 +65,7 @@ async def test_failures_back_off_with_jitter_and_dead_letter_after_exactly_max_r
     assert "dead-lettered (retries_exhausted)" in caplog.text
     assert len(deliverer.delivered) == 3
     counter = container.metrics().dead_letters.labels("outbox", "retries_exhausted")
-    assert counter._value.get() == 1  # noqa: SLF001
+    assert counter._value.get() == 1
 
 
 async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container: Container) -> None:
@@ -96,7 +98,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE  # noqa: PLC0415
+            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
 
             await session.exec(  # type: ignore[call-overload]
                 OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == second_id).values(lock_token=thief)
@@ -109,7 +111,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     claimed = await source.claim(uuid.uuid4())
     clock.advance(50)  # most of the claim lease is gone when the row's turn comes
     for item in claimed:
-        await source._process(item, claimed_token(item, source))  # noqa: SLF001
+        await source._process(item, claimed_token(item, source))
     assert [r.id for r in deliverer.delivered] == [first_id]
     assert renewed[0] == clock.now + timedelta(seconds=60)
     assert (await state(container, first_id)).processed_on is not None
@@ -117,13 +119,13 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     assert (lost.lock_token, lost.processed_on) == (thief, None)
 
 
-def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:  # noqa: ANN401
+def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
     return source.last_token  # set by the claim helper below
 
 
 @pytest.fixture(autouse=True)
 def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource  # noqa: PLC0415
+    from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource
 
     original = TableSource.claim
 
@@ -177,7 +179,9 @@ async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(con
 async def test_a_hot_key_does_not_starve_unrelated_rows(container: Container) -> None:
     clock = FakeClock()
     await insert_rows(container, [row("kit.hot.v1", clock.now, key="hot") for _ in range(2000)])
-    unrelated = set(await insert_rows(container, [row("kit.cold.v1", clock.now, key=f"k{i % 10}") for i in range(50)]))
+    unrelated = set(
+        await insert_rows(container, [row("kit.cold.v1", clock.now, key=f"k{i % 10}") for i in range(50)])
+    )
     unrelated |= set(await insert_rows(container, [row("kit.free.v1", clock.now) for _ in range(50)]))
     deliverer = ScriptedDeliverer()
     source = outbox_source(container, deliverer, clock, batch_size=50)
@@ -235,7 +239,7 @@ async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Co
     original = source.leases.stamp_processed
     writing = asyncio.Event()
 
-    async def slow_stamp(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
+    async def slow_stamp(*args: Any, **kwargs: Any) -> Any:
         writing.set()
         await asyncio.sleep(0.3)
         return await original(*args, **kwargs)
@@ -264,7 +268,7 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
     task = asyncio.create_task(loop.run())
     try:
         deadline = time.monotonic() + 10
-        while len(attempts) < 2 and time.monotonic() < deadline:
+        while len(attempts) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a list)
             await asyncio.sleep(0.02)
     finally:
         task.cancel()
@@ -291,7 +295,9 @@ async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(
     kit = await install_kit(container)
     clock = FakeClock()
     payload = container.registry().dump(Created(aggregate_id="c", tenant_id="acme"))
-    ids = await insert_rows(container, [row("kit.created.v1", clock.now, kind="domain", payload=payload) for _ in range(2)])
+    ids = await insert_rows(
+        container, [row("kit.created.v1", clock.now, kind="domain", payload=payload) for _ in range(2)]
+    )
     with caplog.at_level(logging.WARNING):
         await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
     assert [(await state(container, i)).processed_on is not None for i in ids] == [True, True]
@@ -303,8 +309,8 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     kit = await install_kit(container)
     seen: list[tuple[str | None, str | None, str | None]] = []
 
-    async def who(event: Created, uow: Any) -> None:  # noqa: ANN401
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+    async def who(event: Created, uow: Any) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
 
         context = current_context()
         seen.append((context.tenant_id, context.user_id, context.authentication_type))

@@ -22,7 +22,17 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import Claime
 from {{ cookiecutter.package_name }}.container import Container
 
 from ..conftest import ContainerFactory, acting_as, fetch
-from ..kit import COUNTERS, Counter, CounterChangedV1, Counters, Created, Incremented, Kit, RecordEffect, install_kit
+from ..kit import (
+    COUNTERS,
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Created,
+    Incremented,
+    Kit,
+    RecordEffect,
+    install_kit,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +66,18 @@ async def test_commit_writes_one_row_per_event_with_stable_names(kit: Kit) -> No
     assert all(r.ordering_key == rows[0].ordering_key for r in rows)
 
 
+async def fail_mid_transaction(kit: Kit) -> None:
+    async with kit.container.units_of_work()() as uow:
+        uow.repository(Counters).add(Counter.create("acme"))
+        uow.enqueue(CounterChangedV1(counter_id="c", value=1))
+        uow.schedule(RecordEffect(label="never"))
+        msg = "business failure"
+        raise RuntimeError(msg)
+
+
 async def test_rollback_leaves_nothing_behind(kit: Kit) -> None:
     with acting_as(), pytest.raises(RuntimeError, match="business failure"):
-        async with kit.container.units_of_work()() as uow:
-            uow.repository(Counters).add(Counter.create("acme"))
-            uow.enqueue(CounterChangedV1(counter_id="c", value=1))
-            uow.schedule(RecordEffect(label="never"))
-            msg = "business failure"
-            raise RuntimeError(msg)
+        await fail_mid_transaction(kit)
     with acting_as():
         async with kit.container.units_of_work()() as uow:
             uow.repository(Counters).add(Counter.create("acme"))
@@ -78,7 +92,7 @@ class FailOnceAfterInserting(OutboxWriter):
 
     failures = 0
 
-    async def write(self, session: Any, capture: Any) -> Any:  # noqa: ANN401
+    async def write(self, session: Any, capture: Any) -> Any:
         written = await super().write(session, capture)
         if self.failures == 0:
             self.failures += 1
@@ -114,7 +128,7 @@ async def test_commit_removes_exactly_the_captured_events(kit: Kit) -> None:
     counter = Counter.create("acme")
 
     class RaisesDuringCommit(OutboxWriter):
-        async def write(self, session: Any, capture: Any) -> Any:  # noqa: ANN401
+        async def write(self, session: Any, capture: Any) -> Any:
             counter.increment()  # a handler raising on the same aggregate mid-save
             return await super().write(session, capture)
 
@@ -228,7 +242,11 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
     lease = timedelta(seconds=kit.container.settings().outbox.lease_seconds)
     async with kit.container.database().session() as session:
         early = await claimer.claim(
-            session, now=row.occurred_on + lease / 2, lease_until=row.occurred_on + lease, token=uuid.uuid4(), locked_by="p2"
+            session,
+            now=row.occurred_on + lease / 2,
+            lease_until=row.occurred_on + lease,
+            token=uuid.uuid4(),
+            locked_by="p2",
         )
         late = await claimer.claim(
             session,
@@ -285,7 +303,11 @@ async def test_integration_events_and_commands_are_written_unleased(kit: Kit) ->
             uow.schedule(RecordEffect(label="later"), due_at=due)
             await uow.commit()
     (event,) = await outbox(kit.container)
-    assert (event.event_name, event.kind, event.ordering_key) == ("kit.counter-changed.v1", "integration", "c-1")
+    assert (event.event_name, event.kind, event.ordering_key) == (
+        "kit.counter-changed.v1",
+        "integration",
+        "c-1",
+    )
     (command,) = await fetch(kit.container, select(InternalCommand))
     assert command.command_name == "kit.record-effect.v1"
     assert command.available_on == due
@@ -299,3 +321,23 @@ async def test_outbox_off_dispatches_directly_without_rows(make_container: Conta
     await place(kit)
     assert await fetch(container, select(OutboxMessage)) == []
     assert await kit.effects() == ["direct:kit.created.v1"]
+
+
+async def test_outbox_off_publishes_integration_events_directly(make_container: ContainerFactory) -> None:
+    container = make_container(message_bus={"enable_outbox": False, "enable_inbox": False})
+    kit = await install_kit(container)
+    received: list[tuple[int, str | None]] = []
+
+    async def consume(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
+
+        received.append((event.value, current_context().tenant_id))
+
+    container.handlers().consume("kit.direct", CounterChangedV1, consume)
+    with acting_as(tenant="globex"):
+        async with container.units_of_work()() as uow:
+            uow.enqueue(CounterChangedV1(counter_id="c", value=4))
+            await uow.commit()
+    assert received == [(4, "globex")]
+    assert await fetch(container, select(OutboxMessage)) == []
+    del kit

@@ -13,7 +13,6 @@ import json
 import time
 import uuid
 from datetime import UTC, datetime
-from typing import Any
 
 import sqlalchemy as sa
 
@@ -47,8 +46,12 @@ class RecordingDeliverer:
         async with self.container.database().session() as session:
             await session.exec(  # type: ignore[call-overload]
                 sa.insert(DELIVERIES).values(
-                    row_id=str(row.id), seq=row.seq, ordering_key=row.ordering_key, processor=self.name,
-                    token=str(token), delivered_at=time.time(),
+                    row_id=str(row.id),
+                    seq=row.seq,
+                    ordering_key=row.ordering_key,
+                    processor=self.name,
+                    token=str(token),
+                    delivered_at=time.time(),
                 )
             )
             await session.commit()
@@ -63,18 +66,30 @@ async def pending(container: Container) -> int:
 
 
 async def processor(args: argparse.Namespace) -> None:
-    container = build_container(make_settings(
-        args.db,
-        application={"namespace": args.namespace, "instance_id": args.name},
-        outbox={"lease_seconds": args.lease, "max_retries": args.max_retries, "retry_backoff_base_seconds": 0.05,
-                "batch_size": args.batch},
-    ))
+    container = build_container(
+        make_settings(
+            args.db,
+            application={"namespace": args.namespace, "instance_id": args.name},
+            outbox={
+                "lease_seconds": args.lease,
+                "max_retries": args.max_retries,
+                "retry_backoff_base_seconds": 0.05,
+                "batch_size": args.batch,
+            },
+        )
+    )
     await install_kit(container, create_tables=False)
     values = {**source_settings(container.settings()).__dict__}
     source = TableSource(
-        name="outbox", table=OUTBOX_TABLE, name_column="event_name", settings=SourceSettings(**values),
-        database=container.database(), deliverer=RecordingDeliverer(container, args.name, hang_first=args.hang_first),
-        clock=system_clock, instance_id=args.name, metrics=container.metrics(),
+        name="outbox",
+        table=OUTBOX_TABLE,
+        name_column="event_name",
+        settings=SourceSettings(**values),
+        database=container.database(),
+        deliverer=RecordingDeliverer(container, args.name, hang_first=args.hang_first),
+        clock=system_clock,
+        instance_id=args.name,
+        metrics=container.metrics(),
     )
     wake = WakeSignal()
     loop = PollingLoop(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
@@ -140,5 +155,3 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-
-

@@ -35,7 +35,11 @@ def start(role: str, url: str, *args: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if "__" not in k}
     return subprocess.Popen(
         [sys.executable, "-m", "tests.reliability.actors", role, "--db", url, *args],
-        cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -48,8 +52,17 @@ def finish(process: subprocess.Popen[str], timeout: float = 180) -> str:
 async def seed(container: Container, rows: list[dict[str, Any]]) -> None:
     now = datetime.now(UTC)
     values = [
-        {"id": uuid.uuid4(), "event_name": "kit.counter-changed.v1", "kind": "integration", "payload": {},
-         "occurred_on": now, "available_on": now, "retry_count": 0, "ordering_key": None, **row}
+        {
+            "id": uuid.uuid4(),
+            "event_name": "kit.counter-changed.v1",
+            "kind": "integration",
+            "payload": {},
+            "occurred_on": now,
+            "available_on": now,
+            "retry_count": 0,
+            "ordering_key": None,
+            **row,
+        }
         for row in rows
     ]
     async with container.database().session() as session:
@@ -66,8 +79,10 @@ async def test_two_processors_drain_5000_rows_each_delivered_once(container: Con
     await install_kit(container)
     keyed = [{"ordering_key": f"k{i % 40}"} for i in range(2000)]
     await seed(container, [*keyed, *({} for _ in range(3000))])
-    processes = [start("processor", container.settings().database.url, "--name", name, "--until-empty")
-                 for name in ("p1", "p2")]
+    processes = [
+        start("processor", container.settings().database.url, "--name", name, "--until-empty")
+        for name in ("p1", "p2")
+    ]
     for process in processes:
         finish(process)
     delivered = await deliveries(container)
@@ -127,8 +142,10 @@ async def test_order_per_key_holds_under_two_processors_with_a_poison_head(conta
             rows.append({"ordering_key": key, "payload": {"poison": True} if poison else {}})
     await seed(container, rows)
     url = container.settings().database.url
-    processes = [start("processor", url, "--name", n, "--until-empty", "--max-retries", "3", "--batch", "5")
-                 for n in ("p1", "p2")]
+    processes = [
+        start("processor", url, "--name", n, "--until-empty", "--max-retries", "3", "--batch", "5")
+        for n in ("p1", "p2")
+    ]
     for process in processes:
         finish(process)
     delivered = await deliveries(container)
@@ -146,8 +163,19 @@ async def test_notify_wakes_another_processs_processor(container: Container) -> 
     await install_kit(container)
     url = container.settings().database.url
     namespace = container.settings().application.resolved_namespace
-    sleeper = start("processor", url, "--name", "listener", "--listen", "--interval", "60", "--seconds", "8",
-                    "--namespace", namespace)
+    sleeper = start(
+        "processor",
+        url,
+        "--name",
+        "listener",
+        "--listen",
+        "--interval",
+        "60",
+        "--seconds",
+        "8",
+        "--namespace",
+        namespace,
+    )
     assert sleeper.stdout is not None
     assert sleeper.stdout.readline().strip() == "listening"
     time.sleep(0.5)  # its first poll (on connect) has run; now it sleeps for 60 s
@@ -166,8 +194,10 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(conta
     await install_kit(container)
     url = container.settings().database.url
     message_id, start_at = str(uuid.uuid4()), f"{time.time() + 2.0}"
-    racers = [start("consumer", url, "--name", name, "--message-id", message_id, "--start-at", start_at)
-              for name in ("c1", "c2")]
+    racers = [
+        start("consumer", url, "--name", name, "--message-id", message_id, "--start-at", start_at)
+        for name in ("c1", "c2")
+    ]
     outcomes = sorted(finish(racer).strip() for racer in racers)
     assert outcomes == ["consumed", "duplicate"]
     effects = await fetch(container, sa.select(EFFECTS.c.label))

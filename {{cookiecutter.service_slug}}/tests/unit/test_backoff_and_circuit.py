@@ -5,7 +5,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import CircuitBreaker
+from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import BrokerUnavailableError, CircuitBreaker
 from {{ cookiecutter.package_name }}.building_blocks.polling.leases import backoff_seconds
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import CircuitOpenError
 
@@ -31,28 +31,52 @@ class FakeClock:
         return self.now
 
 
-async def test_breaker_opens_after_threshold_then_half_opens_then_closes() -> None:
+async def outage() -> None:
+    msg = "connection refused"
+    raise BrokerUnavailableError(msg)
+
+
+async def succeed() -> str:
+    return "ok"
+
+
+async def test_outages_are_never_charged_and_open_the_circuit_at_the_threshold() -> None:
     clock = FakeClock()
     breaker = CircuitBreaker(failure_threshold=2, reset_seconds=30, clock=clock)
-
-    async def fail() -> None:
-        raise ConnectionError("down")
-
-    async def succeed() -> str:
-        return "ok"
-
-    for _ in range(2):
-        with pytest.raises(ConnectionError):
-            await breaker.call(fail)
+    with pytest.raises(CircuitOpenError) as first:
+        await breaker.call(outage)  # below the threshold: released briefly, not charged
+    assert first.value.retry_at <= clock.now + timedelta(seconds=1)
+    assert breaker.state == "closed"
+    with pytest.raises(CircuitOpenError) as second:
+        await breaker.call(outage)
     assert breaker.state == "open"
-    with pytest.raises(CircuitOpenError) as opened:
-        await breaker.call(succeed)
-    assert opened.value.retry_at >= clock.now + timedelta(seconds=29)
+    assert second.value.retry_at == clock.now + timedelta(seconds=30)
+    with pytest.raises(CircuitOpenError):
+        await breaker.call(succeed)  # open: not even attempted
     clock.now += timedelta(seconds=31)
     assert breaker.state == "half-open"
-    with pytest.raises(ConnectionError):
-        await breaker.call(fail)  # the trial fails: open again
+    with pytest.raises(CircuitOpenError):
+        await breaker.call(outage)  # the trial fails: open again, still not charged
     assert breaker.state == "open"
     clock.now += timedelta(seconds=31)
     assert await breaker.call(succeed) == "ok"
+    assert breaker.state == "closed"
+
+
+async def test_a_message_level_failure_is_charged_and_proves_the_broker_answers() -> None:
+    clock = FakeClock()
+    breaker = CircuitBreaker(failure_threshold=1, reset_seconds=30, clock=clock)
+
+    async def unroutable() -> None:
+        msg = "NO_ROUTE"
+        raise ValueError(msg)
+
+    with pytest.raises(ValueError, match="NO_ROUTE"):  # propagates: the processor charges it
+        await breaker.call(unroutable)
+    assert breaker.state == "closed"
+    with pytest.raises(CircuitOpenError):
+        await breaker.call(outage)
+    clock.now += timedelta(seconds=31)
+    with pytest.raises(ValueError, match="NO_ROUTE"):
+        await breaker.call(unroutable)  # the half-open trial reached the broker
     assert breaker.state == "closed"

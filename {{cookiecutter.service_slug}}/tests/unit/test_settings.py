@@ -22,7 +22,9 @@ def settings(**values: object) -> Settings:
         ("redis", True, None, (True, True)),
     ],
 )
-def test_outbox_and_inbox_are_tri_state(transport: str, outbox: bool | None, inbox: bool | None, expected: tuple[bool, bool]) -> None:
+def test_outbox_and_inbox_are_tri_state(
+    transport: str, outbox: bool | None, inbox: bool | None, expected: tuple[bool, bool]
+) -> None:
     bus = {"transport": transport, "enable_outbox": outbox, "enable_inbox": inbox}
     resolved = settings(message_bus=bus).message_bus
     assert (resolved.outbox_enabled, resolved.inbox_enabled) == expected

@@ -58,3 +58,11 @@ def test_tampered_unsigned_oversized_or_malformed_messages_are_rejected(tamper, 
     with pytest.raises(RejectedMessageError) as rejected:
         read_envelope(headers, body, signer)
     assert rejected.value.reason == reason
+
+
+def test_headers_over_the_total_limit_are_rejected() -> None:
+    signer = Signer({"k1": "secret"}, "k1", allow_unsigned=False)
+    headers = signed_headers(signer) | {"x-user-roles": "r" * 500}
+    with pytest.raises(RejectedMessageError) as rejected:
+        read_envelope(headers, BODY, signer, max_header_bytes=600)
+    assert rejected.value.reason == "oversized_header"

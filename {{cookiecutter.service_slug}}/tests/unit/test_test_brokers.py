@@ -42,23 +42,24 @@ def capture_dead_letters(container: Container, transport: str) -> list[dict[str,
     bus = container.bus()
     names, broker, captured = bus.names, bus.broker, []  # type: ignore[attr-defined]
 
-    async def collect(body: Any, message: Any) -> None:  # noqa: ANN401
+    async def collect(body: Any, message: Any) -> None:
         del body
         captured.append({k: str(v) for k, v in (message.headers or {}).items()})
 
     if transport == "nats":
-        from faststream.nats import JStream  # noqa: PLC0415
+        from faststream.nats import JStream
 
         subscriber = broker.subscriber(
-            names.dead_letter_subject("kit.observer"), stream=JStream(names.stream("dead_letters"), declare=False)
+            names.dead_letter_subject("kit.observer"),
+            stream=JStream(names.stream("dead_letters"), declare=False),
         )
     elif transport == "redis":
         subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"))
     else:
         subscriber = broker.subscriber(names.dead_letters("kit.observer"))
-    from faststream import Context  # noqa: PLC0415
+    from faststream import Context
 
-    async def handler(body: Any, message: Any = Context("message")) -> None:  # noqa: ANN401, B008
+    async def handler(body: Any, message: Any = Context("message")) -> None:
         await collect(body, message)
 
     subscriber(handler)
@@ -71,7 +72,7 @@ class Observer:
         self.seen: list[tuple[str | None, str | None]] = []
 
     async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context  # noqa: PLC0415
+        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
 
         self.seen.append((current_context().tenant_id, current_context().authentication_type))
         if self.failures:
@@ -82,11 +83,20 @@ class Observer:
 
 
 @asynccontextmanager
-async def in_memory(transport: str, sqlite_url: str, failures: int = 0) -> AsyncIterator[tuple[Container, Observer]]:
-    container = build_container(make_settings(
-        sqlite_url,
-        message_bus={"transport": transport, "url": "", "max_delivery_attempts": 3, "redelivery_delay_seconds": 0.01},
-    ))
+async def in_memory(
+    transport: str, sqlite_url: str, failures: int = 0
+) -> AsyncIterator[tuple[Container, Observer]]:
+    container = build_container(
+        make_settings(
+            sqlite_url,
+            message_bus={
+                "transport": transport,
+                "url": "",
+                "max_delivery_attempts": 3,
+                "redelivery_delay_seconds": 0.01,
+            },
+        )
+    )
     await install_kit(container)
     observer = Observer(failures)
     container.handlers().consume("kit.observer", CounterChangedV1, observer)
@@ -102,7 +112,9 @@ def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="globex", user="bob"):
         context = capture()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
-    return Envelope(message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context)
+    return Envelope(
+        message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context
+    )
 
 
 async def consumed(container: Container) -> list[str]:
@@ -118,18 +130,20 @@ async def test_a_message_is_consumed_once_under_the_senders_context(transport: s
         await container.bus().publish(message)
         assert await consumed(container) == ["consumed:1"]
         assert observer.seen == [("globex", "message")]
-        assert container.metrics().inbox_duplicates.labels("kit.observer")._value.get() == 1  # noqa: SLF001
+        assert container.metrics().inbox_duplicates.labels("kit.observer")._value.get() == 1
 
 
 @pytest.mark.parametrize("transport", TEST_BROKERS)
-async def test_a_forged_message_is_rejected_without_running_the_handler(transport: str, sqlite_url: str) -> None:
+async def test_a_forged_message_is_rejected_without_running_the_handler(
+    transport: str, sqlite_url: str
+) -> None:
     async with in_memory(transport, sqlite_url) as (container, observer):
         forged = envelope(9)
         forger = Signer({"test": "wrong"}, "test", allow_unsigned=False)
         await container.bus().transport.publish(forged, forger.sign(forged.headers(), forged.body))  # type: ignore[attr-defined]
         assert observer.seen == []
         rejected = container.metrics().inbox_rejected.labels("kit.observer", "bad_signature")
-        assert rejected._value.get() == 1  # noqa: SLF001
+        assert rejected._value.get() == 1
         (letter,) = container.dead_letters  # type: ignore[attr-defined]
         assert letter["x-message-id"] == forged.message_id
         assert "bad_signature" in letter["x-error"]
@@ -145,7 +159,7 @@ async def test_a_failure_rolls_back_the_inbox_row_and_effects(transport: str, sq
         else:  # the broker redelivers later (real-broker tests prove it); nothing was kept
             assert len(observer.seen) == 1
             assert await consumed(container) == []
-        assert container.metrics().inbox_failures.labels("kit.observer")._value.get() == 1  # noqa: SLF001
+        assert container.metrics().inbox_failures.labels("kit.observer")._value.get() == 1
 
 
 async def test_kafka_dead_letters_after_the_last_attempt(sqlite_url: str) -> None:

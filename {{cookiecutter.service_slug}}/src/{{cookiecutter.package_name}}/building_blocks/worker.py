@@ -89,14 +89,15 @@ class Worker:
         log.info("worker started: %s", ", ".join(s.name for s in self._sources) or "no processors")
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._bus.stop()
+        """Processors first (their in-flight outcomes still need the bus), then the bus."""
         for group in (self._loops, self._others):
             for task in group:
                 task.cancel()
             if group:
                 await asyncio.wait(group, timeout=self._shutdown_timeout + 1)
             group.clear()
+        with contextlib.suppress(Exception):
+            await self._bus.stop()
         log.info("worker stopped")
 
     async def _sample_depth(self) -> None:

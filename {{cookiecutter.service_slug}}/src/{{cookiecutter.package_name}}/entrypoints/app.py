@@ -36,8 +36,9 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
             yield
         finally:
             if worker is not None:
-                await worker.stop()
-            await bus.stop()
+                await worker.stop()  # stops the bus too
+            else:
+                await bus.stop()
             await container.database().dispose()
 
     app = FastAPI(title=SERVICE_NAME, description=DESCRIPTION, lifespan=lifespan)

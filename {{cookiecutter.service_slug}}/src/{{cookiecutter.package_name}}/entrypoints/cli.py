@@ -96,7 +96,7 @@ async def _run_worker(container: Container) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    await worker.stop()
+    await worker.stop()  # processors first, then consumers and the connection
     await container.database().dispose()
 
 

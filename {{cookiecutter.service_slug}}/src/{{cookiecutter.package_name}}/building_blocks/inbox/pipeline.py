@@ -94,7 +94,9 @@ class ConsumePipeline:
         inbox_enabled: bool,
         metrics: OutboxMetrics,
         clock: Clock,
+        max_header_bytes: int = 4096,
     ) -> None:
+        self._max_header_bytes = max_header_bytes
         self._units = units
         self._registry = registry
         self._signer = signer
@@ -125,7 +127,7 @@ class ConsumePipeline:
     ) -> ConsumeOutcome:
         """Process one message for one consumer (see the module docstring)."""
         try:
-            envelope = read_envelope(headers, body, self._signer)
+            envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
             message = self._decode(consumer, envelope.event_name, body)
         except RejectedMessageError as rejected:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()

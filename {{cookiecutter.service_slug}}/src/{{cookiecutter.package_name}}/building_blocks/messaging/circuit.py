@@ -1,10 +1,14 @@
-"""A circuit breaker around the broker publish.
+"""A circuit breaker around the broker publish, that never charges an outage to a message.
 
-After ``failure_threshold`` consecutive failures the circuit opens for ``reset_seconds``: the
-processor then releases integration rows without charging a retry (a broker outage must not
-dead-letter messages that never had a chance; the ADR records this as an omission, fixed here).
-After the pause one trial publish is let through (half-open): success closes the circuit, failure
-opens it again.
+Only :class:`BrokerUnavailableError` (the transport said it could not reach the broker: a lost
+connection, a timeout, no servers) counts. Such a failure is not the message's fault, so it is
+never recorded as one of the row's retries: the row is released until the breaker may close
+(the ADR records charging outages as an omission: a long outage dead-lettered healthy messages).
+After ``failure_threshold`` consecutive outages the circuit opens for ``reset_seconds`` and no
+publish is attempted; then one trial is let through (half-open): success closes it, an outage
+opens it again. A message-level failure (an unroutable message, a consumer error on the
+in-process bus) passes through unchanged and is retried and dead-lettered as usual; it also
+proves the broker is reachable, so it closes a half-open circuit.
 """
 
 from __future__ import annotations
@@ -19,8 +23,12 @@ from ..polling.source import CircuitOpenError
 T = TypeVar("T")
 
 
+class BrokerUnavailableError(ConnectionError):
+    """The broker could not be reached (raised by transports around their publish)."""
+
+
 class CircuitBreaker:
-    """Consecutive-failure breaker with a half-open trial."""
+    """Consecutive-outage breaker with a half-open trial."""
 
     def __init__(self, *, failure_threshold: int, reset_seconds: float, clock: Clock) -> None:
         self._threshold = failure_threshold
@@ -36,21 +44,33 @@ class CircuitBreaker:
             return "closed"
         return "open" if self._clock() < self._open_until else "half-open"
 
+    def _retry_at(self) -> datetime:
+        now = self._clock()
+        if self._open_until is not None and self._open_until > now:
+            return self._open_until
+        # Below the threshold: step back a little, growing with the streak of outages.
+        return now + min(self._reset, timedelta(seconds=self._failures))
+
     async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
         state = self.state
         if state == "open" or (state == "half-open" and self._trial_running):
-            assert self._open_until is not None  # noqa: S101 (set whenever not closed)
-            raise CircuitOpenError(max(self._open_until, self._clock() + timedelta(seconds=1)))
+            raise CircuitOpenError(self._retry_at())
         self._trial_running = state == "half-open"
         try:
             result = await operation()
-        except Exception:
+        except BrokerUnavailableError as outage:
             self._failures += 1
             if self._failures >= self._threshold or state == "half-open":
                 self._open_until = self._clock() + self._reset
+            raise CircuitOpenError(self._retry_at()) from outage
+        except Exception:
+            self._close()  # the broker answered; this message is the problem
             raise
         finally:
             self._trial_running = False
+        self._close()
+        return result
+
+    def _close(self) -> None:
         self._failures = 0
         self._open_until = None
-        return result

@@ -150,8 +150,11 @@ class Signer:
             raise RejectedMessageError(Rejection.BAD_SIGNATURE, "the signature does not match")
 
 
-def read_envelope(raw_headers: Mapping[str, object], body: bytes, signer: Signer) -> Envelope:
-    """Validate headers, verify the signature, and only then build the envelope."""
+def read_envelope(
+    raw_headers: Mapping[str, object], body: bytes, signer: Signer, *, max_header_bytes: int = 4096
+) -> Envelope:
+    """Validate headers (each within its limit, all within ``max_header_bytes``), verify the
+    signature, and only then build the envelope."""
     headers: dict[str, str] = {}
     for name, limit in LIMITS.items():
         value = raw_headers.get(name)
@@ -164,6 +167,11 @@ def read_envelope(raw_headers: Mapping[str, object], body: bytes, signer: Signer
         if len(value.encode()) > limit:
             raise RejectedMessageError(Rejection.OVERSIZED_HEADER, f"{name} is longer than {limit} bytes")
         headers[name] = value
+    total = sum(len(name) + len(value.encode()) for name, value in headers.items())
+    if total > max_header_bytes:
+        raise RejectedMessageError(
+            Rejection.OVERSIZED_HEADER, f"the context headers take {total} bytes (limit {max_header_bytes})"
+        )
     signer.verify(headers, body)
     for required in (MESSAGE_ID, EVENT_NAME):
         if not headers.get(required):

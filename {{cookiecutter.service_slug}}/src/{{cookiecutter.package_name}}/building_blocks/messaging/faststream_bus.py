@@ -20,6 +20,7 @@ policy (FastStream's defaults drop or loop messages differently per broker, see
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -28,12 +29,14 @@ from ..handlers import Consumer, HandlerRegistry
 from ..inbox.pipeline import ConsumePipeline
 from ..outbox.metrics import OutboxMetrics
 from ..registry import MessageRegistry
+from .circuit import BrokerUnavailableError
 from .envelope import Envelope, RejectedMessageError, Signer
 from .naming import EndpointNames
 from .transports.base import BrokerTransport, DeadLetterCopy, Delivery
 
 log = logging.getLogger(__name__)
 CRASH_GUARD_ERROR = "attempts exhausted without a recorded failure (crash or timeout)"
+OUTAGES = (ConnectionError, TimeoutError, OSError)
 
 
 def build_transport(
@@ -109,7 +112,14 @@ class FastStreamBus:
 
     async def publish(self, envelope: Envelope) -> None:
         headers = self._signer.sign(envelope.headers(), envelope.body)
-        await self.transport.publish(envelope, headers)
+        try:
+            async with asyncio.timeout(self._settings.publish_timeout_seconds):
+                await self.transport.publish(envelope, headers)
+        except Exception as error:
+            if isinstance(error, OUTAGES) or self.transport.is_outage(error):
+                msg = f"{self.name} is unreachable: {type(error).__name__}: {error}"
+                raise BrokerUnavailableError(msg) from error
+            raise
 
     def _make_handler(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401
         limit = self._settings.max_delivery_attempts

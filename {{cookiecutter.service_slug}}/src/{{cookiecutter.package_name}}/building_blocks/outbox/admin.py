@@ -110,10 +110,13 @@ def _parse_ids(ids: Sequence[str]) -> list[uuid.UUID]:
 class OutboxAdministration:
     """The operator surface over both polled tables."""
 
-    def __init__(self, *, database: Database, clock: Clock, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, *, database: Database, clock: Clock, wake: Callable[[], None], notify_channel: str = ""
+    ) -> None:
         self._db = database
         self._clock = clock
         self._wake = wake
+        self._channel = notify_channel
 
     async def list_dead_letters(
         self, source: str | None = None, *, offset: int = 0, limit: int = 50
@@ -194,6 +197,8 @@ class OutboxAdministration:
                     message_ids=replayed_ids,
                 )
             )
+            if self._db.is_postgresql and self._channel:  # wake every replica's processor
+                await session.exec(sa.select(sa.func.pg_notify(self._channel, "")))  # type: ignore[call-overload]
             await session.commit()
         self._wake()
         return ReplayResult(table.name, replayed_ids, actor, now)

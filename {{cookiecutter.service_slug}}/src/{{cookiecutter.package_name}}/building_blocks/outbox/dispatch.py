@@ -45,19 +45,21 @@ class CascadeDepthError(RuntimeError):
 class LocalDispatcher:
     """Runs domain-event handlers in follow-up units of work."""
 
-    def __init__(self, handlers: HandlerRegistry, *, max_cascade_depth: int) -> None:
+    def __init__(
+        self,
+        handlers: HandlerRegistry,
+        *,
+        max_cascade_depth: int,
+        publish_direct: DirectPublish | None = None,
+    ) -> None:
         self._handlers = handlers
         self._max_depth = max_cascade_depth
         self._store = LeaseStore(OUTBOX_TABLE)
         self._factory: UnitOfWorkFactory | None = None
-        self._publish_direct: DirectPublish | None = None
+        self._publish_direct = publish_direct
 
     def bind(self, factory: UnitOfWorkFactory) -> None:
         self._factory = factory
-
-    def bind_direct_publisher(self, publish: DirectPublish) -> None:
-        """Where integration events go when the outbox is off (in-process transport only)."""
-        self._publish_direct = publish
 
     @property
     def factory(self) -> UnitOfWorkFactory:

@@ -76,6 +76,10 @@ class BrokerTransport(Protocol):
         """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
         ...
 
+    def is_outage(self, error: BaseException) -> bool:
+        """True when ``error`` means the broker is unreachable (not that the message is bad)."""
+        ...
+
 
 def own_headers(headers: Mapping[str, object]) -> dict[str, str]:
     """Our headers (x-*, traceparent) as strings: what a dead-letter copy carries along."""

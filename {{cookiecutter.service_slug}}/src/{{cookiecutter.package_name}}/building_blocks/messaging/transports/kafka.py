@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -146,6 +147,11 @@ class KafkaTransport:
         del consumer, limit
         msg = "read Kafka dead letters with a consumer on the <group>.dlq topic (kafka-console-consumer)"
         raise NotImplementedError(msg)
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(
+            error, (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError)
+        )
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -17,8 +17,8 @@ from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from faststream.nats.message import NatsMessage as NatsMessageType
-from nats.errors import NotJSMessageError
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.errors import ConnectionClosedError, NoServersError, NotJSMessageError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from ....settings import MessageBusSettings
 from ...handlers import Consumer
@@ -156,6 +156,9 @@ class NatsTransport:
             if message.subject == subject:
                 copies.append(DeadLetterCopy(as_text(message.headers or {}), message.data or b""))
         return copies
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(error, (ConnectionClosedError, NoServersError, ServiceUnavailableError))
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed
 from faststream import AckPolicy
 from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
 from faststream.rabbit.annotations import RabbitMessage
@@ -145,6 +146,9 @@ class RabbitTransport:
                 break
             copies.append(DeadLetterCopy(as_text(message.headers or {}), message.body))
         return copies
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(error, (AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed))
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

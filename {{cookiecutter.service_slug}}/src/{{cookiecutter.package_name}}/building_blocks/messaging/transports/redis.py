@@ -21,7 +21,9 @@ from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
 from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
 from faststream.redis.message import bDATA_KEY
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....settings import MessageBusSettings
 from ...handlers import Consumer
@@ -129,6 +131,9 @@ class RedisTransport:
             body, headers = self.broker.message_format.parse(fields[bDATA_KEY])
             copies.append(DeadLetterCopy(as_text(headers), body))
         return copies
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(error, (RedisConnectionError, RedisTimeoutError))
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -1,0 +1,129 @@
+"""The rules every cookiecutter answer must satisfy: one module, used twice.
+
+1. As a Jinja extension (``_extensions`` in cookiecutter.json): the private answer
+   ``__answers_valid`` renders through the ``validate_answers`` filter right after the prompts.
+   A bad answer prints one ``ERROR:`` line per problem and exits with status 1 *before*
+   anything is generated (cookiecutter would otherwise print a traceback after a failed hook).
+2. From ``pre_gen_project.py``, for paths that skip the prompts (``--replay``).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+BROKERS = ("rabbitmq", "kafka", "nats", "redis")
+PYTHON_VERSIONS = ("3.11", "3.12", "3.13")
+MAX_NAME_LENGTH = 60
+MAX_TEXT_LENGTH = 500
+SLUG_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
+PACKAGE_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
+# A generated package must not shadow the standard library or a dependency of the service
+# (an `import fastapi` would then import the service itself), nor a folder of the project.
+DEPENDENCY_NAMES = frozenset(
+    {
+        "aio_pika", "aiokafka", "aiormq", "aiosqlite", "alembic", "anyio", "asyncpg",
+        "dependency_injector", "fastapi", "faststream", "greenlet", "grimp", "h11", "httpx",
+        "importlinter", "jwt", "mako", "mypy", "nats", "prometheus_client", "pydantic",
+        "pydantic_core", "pydantic_settings", "pytest", "pytest_asyncio", "redis", "ruff",
+        "sqlalchemy", "sqlmodel", "starlette", "typing_extensions", "uvicorn", "yaml",
+        "test", "tests", "src", "app", "migrations", "docs", "build", "dist", "bench",
+    }
+)
+
+
+def _shadowed(name: str) -> str | None:
+    if name in sys.stdlib_module_names:
+        return "the standard library"
+    if name in DEPENDENCY_NAMES:
+        return "a dependency or a folder of the project"
+    return None
+
+
+def check_identifier(label: str, value: object, *, allow_hyphen: bool) -> str | None:
+    """None when ``value`` is a usable slug (``allow_hyphen``) or package name."""
+    if not isinstance(value, str) or not value:
+        return f"{label} must not be empty"
+    if len(value) > MAX_NAME_LENGTH:
+        return f"{label} {value!r} is longer than {MAX_NAME_LENGTH} characters"
+    if allow_hyphen and not SLUG_PATTERN.fullmatch(value):
+        return (
+            f"{label} {value!r} must be lowercase letters and digits, words joined by single "
+            "'-' or '_', starting with a letter"
+        )
+    if not allow_hyphen and not PACKAGE_PATTERN.fullmatch(value):
+        return f"{label} {value!r} must be a lowercase Python identifier (letters, digits, '_', starting with a letter)"
+    as_module = value.replace("-", "_")
+    if keyword.iskeyword(as_module) or keyword.issoftkeyword(as_module):
+        return f"{label} {value!r} is a Python keyword"
+    shadowed = _shadowed(as_module)
+    return f"{label} {value!r} would shadow {shadowed}; choose another name" if shadowed else None
+
+
+def check_text(label: str, value: object, *, required: bool) -> str | None:
+    if not isinstance(value, str):
+        return f"{label} must be text"
+    if required and not value.strip():
+        return f"{label} must not be empty"
+    if len(value) > MAX_TEXT_LENGTH:
+        return f"{label} is longer than {MAX_TEXT_LENGTH} characters"
+    return None
+
+
+def check_choice(label: str, value: object, choices: tuple[str, ...]) -> str | None:
+    if value in choices:
+        return None
+    return f"{label} {value!r} is not one of: {', '.join(choices)}"
+
+
+def validate(answers: Mapping[str, Any]) -> list[str]:
+    """One message per invalid answer; empty when every answer is valid."""
+    include_example = answers.get("include_example")
+    problems = [
+        check_text("service_name", answers.get("service_name"), required=True),
+        check_text("description", answers.get("description"), required=False),
+        check_text("author", answers.get("author"), required=False),
+        check_identifier("service_slug", answers.get("service_slug"), allow_hyphen=True),
+        check_identifier("package_name", answers.get("package_name"), allow_hyphen=False),
+        check_choice("broker", answers.get("broker"), BROKERS),
+        check_choice("python_version", answers.get("python_version"), PYTHON_VERSIONS),
+        None if isinstance(include_example, bool) else f"include_example {include_example!r} must be true or false",
+    ]
+    return [problem for problem in problems if problem]
+
+
+def report(problems: list[str]) -> None:
+    """Print the problems, one line each, and stop."""
+    for problem in problems:
+        print(f"ERROR: {problem}", file=sys.stderr)  # noqa: T201
+    raise SystemExit(1)
+
+
+def _validate_answers(answers: Mapping[str, Any]) -> str:
+    problems = validate(answers)
+    if problems:
+        report(problems)
+    return "yes"
+
+
+try:  # cookiecutter always has Jinja; the hook that imports this module does not need it
+    from jinja2.ext import Extension
+except ImportError:  # pragma: no cover
+    Extension = object  # type: ignore[assignment,misc]
+
+
+class AnswerValidation(Extension):  # type: ignore[misc]
+    """Adds the ``validate_answers`` filter (see the module docstring)."""
+
+    def __init__(self, environment: Any) -> None:  # noqa: ANN401
+        super().__init__(environment)
+        environment.filters["validate_answers"] = _validate_answers
+        # The pre-generation hook runs as a script in the new project's folder; it loads these
+        # same rules from this absolute path (the template's own path may be relative).
+        environment.globals["answer_rules_path"] = str(Path(__file__).resolve())
