@@ -349,8 +349,8 @@ def _runtime_return(func: object) -> set[Value]:
         namespace = dict(getattr(inspect.unwrap(func), "__globals__", {}))  # type: ignore[arg-type]
         try:
             annotation = eval(annotation, namespace)  # noqa: S307 (the library's own annotation, in its module)
-        except Exception:  # noqa: BLE001 (an unresolvable annotation leaves the type unknown)
-            return set()
+        except (NameError, AttributeError, SyntaxError, TypeError):
+            return set()  # an unresolvable annotation leaves the type unknown
     if hasattr(func, "__wrapped__") and typing.get_origin(annotation) in ITERATOR_ORIGINS:
         annotation = typing.get_args(annotation)[0]
     return _instances_of(annotation)
@@ -458,7 +458,7 @@ class CallGraph:
         self._bases: dict[str, list[str]] = {}
         self._ancestors: dict[str, frozenset[str]] = {}
         self._mro: dict[str, list[ClassSource]] = {}
-        self._implementers: dict[str, list[str]] = {}
+        self._implementers: dict[str, list[FunctionSource]] = {}
         self._subclasses: dict[str, set[str]] | None = None
         self._version = index.version
         self._inferrers: dict[type[ast.AST], Callable[[Any, Scope], set[Value]]] = {
@@ -709,48 +709,33 @@ class CallGraph:
                 pending += sorted(self._subclasses.get(key, ()))
         return found
 
-    def implementers(self, protocol: ClassSource) -> list[str]:
-        """Scanned classes that provide every method the Protocol declares (structural)."""
+    def implementers(self, method: str) -> list[FunctionSource]:
+        """Every scanned non-Protocol class's own definition of ``method``: what a call through a
+        Protocol can reach, structurally (no base class needed; over-approximates)."""
         self._refresh()
-        if protocol.key not in self._implementers:
-            required = {
-                name
-                for cls in self.mro(protocol.key)
-                if self.is_protocol(cls)
-                for name in cls.methods
-                if not name.startswith("__") or name == "__call__"
-            }
-            self._implementers[protocol.key] = [
-                cls.key
+        if method not in self._implementers:
+            self._implementers[method] = [
+                cls.methods[method]
                 for cls in list(self.index.classes.values())
-                if required
-                and not self.is_protocol(cls)
-                and all(self.find_method(cls.key, name) for name in required)
+                if method in cls.methods and not self.is_protocol(cls)
             ]
-        return self._implementers[protocol.key]
+        return self._implementers[method]
 
     def dispatch(self, type_: str, method: str) -> list[FunctionSource]:
         """Every implementation a call ``obj.method()`` on a ``type_`` can run: the type's own
-        (by lookup), every scanned subclass's override (virtual/ABC dispatch) and, for a
-        Protocol, every structural implementation."""
+        (by lookup), every scanned subclass's override (virtual and ABC dispatch, nominal) and,
+        for a Protocol, every scanned class that defines the method (structural)."""
         cls = self.index.classes.get(type_)
         if cls is None:
             return []
-        candidates = [type_, *self.subclasses(type_)]
-        if self.is_protocol(cls):
-            candidates += self.implementers(cls)
         found: list[FunctionSource] = []
-        for key in dict.fromkeys(candidates):
-            candidate = self.index.classes.get(key)
-            fn = self.find_method(key, method) if candidate and not self.is_protocol(candidate) else None
+        for key in [type_, *self.subclasses(type_)]:
+            candidate = self.index.classes[key]
+            fn = None if self.is_protocol(candidate) else self.find_method(key, method)
             if fn is not None and fn not in found:
                 found.append(fn)
-        if not found and self.is_protocol(cls):
-            found = [
-                c.methods[method]
-                for c in list(self.index.classes.values())
-                if method in c.methods and not self.is_protocol(c)
-            ]
+        if self.is_protocol(cls):
+            found += [fn for fn in self.implementers(method) if fn not in found]
         return found
 
     def attributes(self, cls: ClassSource) -> dict[str, set[Value]]:

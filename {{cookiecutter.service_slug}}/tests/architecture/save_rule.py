@@ -16,9 +16,8 @@ to ``depth`` calls below the handler (default 6), through (see ``callgraph``):
   annotation, from constructor injection (``def __init__(self, x: T)``; ``self.x = x``) or from
   an assignment (``x = T(...)``, ``with T() as x``, a return annotation);
 * virtual calls: a method call on a class reaches every override in the scanned subclasses (an
-  ABC's implementations, nominally), and a call through a ``Protocol`` reaches every scanned
-  class that implements it structurally (all its methods; when none does, every class defining
-  the called method);
+  ABC's implementations, nominally), and a call through a ``Protocol`` reaches the called method
+  of every scanned class that defines it (structurally: no base class needed);
 * ``uow.repository(Port)``, resolved through the modules' ``adapters`` map (how the service does
   dependency injection; the adapter's constructor is reachable too);
 * nested and async functions, lambdas, functions passed as values (callbacks,

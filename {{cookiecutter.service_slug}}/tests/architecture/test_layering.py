@@ -39,7 +39,7 @@ def lint_imports_command() -> list[str]:
 
 
 def test_import_linter_contracts_are_kept() -> None:
-    result = subprocess.run(  # noqa: S603 (our own tool, with fixed arguments)
+    result = subprocess.run(
         lint_imports_command(), cwd=PROJECT_ROOT, capture_output=True, text=True, timeout=120, check=False
     )
     output = f"{result.stdout}\n{result.stderr}"

@@ -1,0 +1,1 @@
+"""Benchmarks of the service (run with `make bench`)."""
