@@ -129,8 +129,11 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
 
 def source_settings(settings: Settings) -> SourceSettings:
     o = settings.outbox
+    # SQLite has one writer: concurrent deliveries would only queue on its lock.
+    concurrency = o.delivery_concurrency if settings.database.is_postgresql else 1
     return SourceSettings(
         batch_size=o.batch_size,
+        delivery_concurrency=concurrency,
         claim_window=o.effective_claim_window,
         lease_seconds=o.lease_seconds,
         max_retries=o.max_retries,

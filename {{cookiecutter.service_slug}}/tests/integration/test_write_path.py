@@ -240,22 +240,21 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
     claimer = Claimer(OUTBOX_TABLE, "event_name", batch=10, window=80)
     (row,) = await outbox(kit.container)
     lease = timedelta(seconds=kit.container.settings().outbox.lease_seconds)
-    async with kit.container.database().session() as session:
+    async with kit.container.database().bookkeeping() as connection:
         early = await claimer.claim(
-            session,
+            connection,
             now=row.occurred_on + lease / 2,
             lease_until=row.occurred_on + lease,
             token=uuid.uuid4(),
             locked_by="p2",
         )
         late = await claimer.claim(
-            session,
+            connection,
             now=row.locked_until + timedelta(seconds=1),
             lease_until=row.locked_until + lease,
             token=uuid.uuid4(),
             locked_by="p2",
         )
-        await session.commit()
     assert early == []
     assert [r.id for r in late] == [row.id]
 

@@ -159,18 +159,17 @@ class LocalDispatcher:
             )
             .limit(1)
         )
-        async with self.factory.database.session() as session:
-            result = await session.exec(statement)  # type: ignore[call-overload]
+        async with self.factory.database.bookkeeping() as connection:
+            result = await connection.execute(statement)
             return result.first() is not None
 
     async def _release(self, rows: Sequence[WrittenRow], error: BaseException | None) -> None:
         try:
-            async with self.factory.database.session() as session:
+            async with self.factory.database.bookkeeping() as connection:
                 for row in rows:
                     await self._store.release(
-                        session, [row.id], row.lock_token, error=None if error is None else repr(error)
+                        connection, [row.id], row.lock_token, error=None if error is None else repr(error)
                     )
-                await session.commit()
             self.factory.wake()
         except Exception:
             # Best effort: the rows then wait out their lease (OUTBOX__LEASE_SECONDS).

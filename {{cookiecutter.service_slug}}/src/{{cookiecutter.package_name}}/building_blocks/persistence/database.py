@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ...settings import DatabaseSettings
@@ -50,6 +50,7 @@ class Database:
         self.sessions = async_sessionmaker(
             self.engine, class_=AsyncSession, expire_on_commit=False, autoflush=False
         )
+        self.bookkeeping_engine = self._create_bookkeeping_engine()
 
     @property
     def dialect(self) -> str:
@@ -88,10 +89,37 @@ class Database:
             pool_pre_ping=True,
         )
 
+    def _create_bookkeeping_engine(self) -> AsyncEngine:
+        """The processors' own writes (claims, lease renewals, stamps, releases).
+
+        On PostgreSQL they commit without waiting for the WAL flush (``synchronous_commit =
+        off``): a database crash can lose the last few of them, which only means a row is
+        delivered again (at-least-once; consumers deduplicate). Business writes, handler
+        effects and the stamps committed with them keep the normal, durable commit.
+        """
+        if self.url.get_backend_name() != "postgresql":
+            return self.engine
+        return create_async_engine(
+            self.url,
+            echo=self.settings.echo,
+            pool_size=self.settings.pool_size,
+            # No pre-ping per checkout (a round trip per transaction on the hot path): a dead
+            # connection fails the cycle, which the polling loop retries.
+            pool_recycle=300,
+            connect_args={"server_settings": {"synchronous_commit": "off"}},
+        )
+
     @asynccontextmanager
     async def session(self) -> AsyncIterator[AsyncSession]:
         async with self.sessions() as session:
             yield session
+
+    @asynccontextmanager
+    async def bookkeeping(self) -> AsyncIterator[AsyncConnection]:
+        """One short transaction of a processor's own bookkeeping (Core, no ORM session;
+        see ``_create_bookkeeping_engine``). Commits on exit."""
+        async with self.bookkeeping_engine.begin() as connection:
+            yield connection
 
     async def ping(self) -> None:
         """Raise unless the database answers (used by /readyz)."""
@@ -100,6 +128,8 @@ class Database:
 
     async def dispose(self) -> None:
         await self.engine.dispose()
+        if self.bookkeeping_engine is not self.engine:
+            await self.bookkeeping_engine.dispose()
 
     async def retry_transient(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run ``operation`` again (with a short backoff) when it fails transiently."""

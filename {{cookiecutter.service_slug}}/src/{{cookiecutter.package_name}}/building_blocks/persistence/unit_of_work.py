@@ -235,7 +235,8 @@ class UnitOfWork:
         )
         written = await self._factory.writer.write(session, outbox)
         for stamp in self._stamps:
-            if not await stamp.store.stamp_processed(session, [stamp.row_id], stamp.token, now):
+            connection = await session.connection()  # the stamp commits with the effects
+            if not await stamp.store.stamp_processed(connection, [stamp.row_id], stamp.token, now):
                 msg = f"lease on {stamp.store.table.name} row {stamp.row_id} was lost"
                 raise LeaseLostError(msg)
         for row in self._inbox:

@@ -32,7 +32,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlmodel.ext.asyncio.session import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlmodel.sql.sqltypes import UTCDateTime
 
 
@@ -170,16 +170,15 @@ class Claimer:
 
     async def claim(
         self,
-        session: AsyncSession,
+        connection: AsyncConnection,
         *,
         now: datetime,
         lease_until: datetime,
         token: uuid.UUID,
         locked_by: str,
     ) -> list[ClaimedRow]:
-        result = await session.exec(
-            self.statement,
-            params={"now": now, "lease_until": lease_until, "token": token, "locked_by": locked_by},
+        result = await connection.execute(
+            self.statement, {"now": now, "lease_until": lease_until, "token": token, "locked_by": locked_by}
         )
         rows = [ClaimedRow(**dict(row._asdict())) for row in result]
         rows.sort(key=lambda row: row.seq)

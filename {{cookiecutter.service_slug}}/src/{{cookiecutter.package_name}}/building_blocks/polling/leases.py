@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 import sqlalchemy as sa
-from sqlmodel.ext.asyncio.session import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 MAX_ERROR_LENGTH = 4000
 RETRIES_EXHAUSTED = "retries_exhausted"
@@ -54,7 +54,7 @@ class LeaseStore:
         return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)
 
     async def stamp_processed(
-        self, session: AsyncSession, ids: Collection[uuid.UUID], token: uuid.UUID, now: datetime
+        self, connection: AsyncConnection, ids: Collection[uuid.UUID], token: uuid.UUID, now: datetime
     ) -> set[uuid.UUID]:
         """Mark rows delivered; return the ids that were still ours."""
         statement = (
@@ -63,12 +63,12 @@ class LeaseStore:
             .values(processed_on=now, locked_until=None, lock_token=None)
             .returning(self._c.id)
         )
-        result = await session.exec(statement)
+        result = await connection.execute(statement)
         return {row[0] for row in result}
 
     async def release(
         self,
-        session: AsyncSession,
+        connection: AsyncConnection,
         ids: Collection[uuid.UUID],
         token: uuid.UUID,
         *,
@@ -81,11 +81,11 @@ class LeaseStore:
         if error is not None:
             values["last_error"] = error[:MAX_ERROR_LENGTH]
         statement = sa.update(self.table).where(self._ours(ids, token)).values(**values).returning(self._c.id)
-        result = await session.exec(statement)
+        result = await connection.execute(statement)
         return {row[0] for row in result}
 
     async def renew(
-        self, session: AsyncSession, row_id: uuid.UUID, token: uuid.UUID, until: datetime
+        self, connection: AsyncConnection, row_id: uuid.UUID, token: uuid.UUID, until: datetime
     ) -> bool:
         """Extend the lease just before dispatch; False means the row is no longer ours."""
         statement = (
@@ -99,12 +99,12 @@ class LeaseStore:
             .values(locked_until=until)
             .returning(self._c.id)
         )
-        result = await session.exec(statement)
+        result = await connection.execute(statement)
         return result.first() is not None
 
     async def record_failure(
         self,
-        session: AsyncSession,
+        connection: AsyncConnection,
         row_id: uuid.UUID,
         token: uuid.UUID,
         *,
@@ -136,7 +136,7 @@ class LeaseStore:
             .values(**values)
             .returning(self._c.id)
         )
-        result = await session.exec(statement)
+        result = await connection.execute(statement)
         return result.first() is not None
 
 

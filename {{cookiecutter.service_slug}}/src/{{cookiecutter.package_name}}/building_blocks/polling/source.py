@@ -76,6 +76,7 @@ class Deliverer(Protocol):
 @dataclass(frozen=True)
 class SourceSettings:
     batch_size: int
+    delivery_concurrency: int
     claim_window: int
     lease_seconds: float
     max_retries: int
@@ -117,30 +118,42 @@ class TableSource:
     async def claim(self, token: uuid.UUID) -> list[ClaimedRow]:
         now = self._clock()
         lease_until = now + timedelta(seconds=self.settings.lease_seconds)
-        async with self._db.session() as session:
+        async with self._db.bookkeeping() as connection:
             rows = await self._claimer.claim(
-                session, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
+                connection, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
             )
-            await session.commit()
         age = (now - rows[0].occurred_on).total_seconds() if rows else 0.0
         self._metrics.oldest_pending_age.labels(self.name).set(max(age, 0.0))
         return rows
 
     async def run_cycle(self) -> CycleResult:
+        """Claim a batch and deliver it, up to ``delivery_concurrency`` rows at a time.
+
+        Concurrency cannot reorder a key: the claim never puts two rows of one key in a batch.
+        Rows are started in ``seq`` order.
+        """
         token = uuid.uuid4()
         rows = await self.claim(token)
-        completed = 0
-        keyed_completed = False
-        for index, row in enumerate(rows):
-            try:
-                done = await self._process(row, token)
-            except asyncio.CancelledError:
-                # Token-guarded: rows whose outcome was already written no longer match.
-                await self._release_on_shutdown(rows[index:], token)
-                raise
-            if done:
-                completed += 1
-                keyed_completed = keyed_completed or row.ordering_key is not None
+        gate = asyncio.Semaphore(self.settings.delivery_concurrency)
+
+        async def process(row: ClaimedRow) -> bool:
+            async with gate:
+                return await self._process(row, token)
+
+        tasks = [asyncio.ensure_future(process(row)) for row in rows]
+        try:
+            outcomes = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            # Token-guarded: rows whose outcome was already written no longer match.
+            await self._release_on_shutdown(rows, token)
+            raise
+        completed = sum(1 for done in outcomes if done)
+        keyed_completed = any(
+            done and row.ordering_key is not None for row, done in zip(rows, outcomes, strict=True)
+        )
         self._metrics.beat(self.name, self._clock())
         if rows:
             log.debug("%s: claimed %s, completed %s", self.name, len(rows), completed)
@@ -177,15 +190,12 @@ class TableSource:
 
     async def _renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         until = self._clock() + timedelta(seconds=self.settings.lease_seconds)
-        async with self._db.session() as session:
-            ok = await self.leases.renew(session, row.id, token, until)
-            await session.commit()
-        return ok
+        async with self._db.bookkeeping() as connection:
+            return await self.leases.renew(connection, row.id, token, until)
 
     async def _stamp(self, row: ClaimedRow, token: uuid.UUID) -> None:
-        async with self._db.session() as session:
-            stamped = await self.leases.stamp_processed(session, [row.id], token, self._clock())
-            await session.commit()
+        async with self._db.bookkeeping() as connection:
+            stamped = await self.leases.stamp_processed(connection, [row.id], token, self._clock())
         if stamped:
             self._delivered(row)
         else:
@@ -197,9 +207,8 @@ class TableSource:
         self._metrics.dispatched.labels(self.name, row.kind or "command").inc()
 
     async def _release(self, row: ClaimedRow, token: uuid.UUID, until: datetime | None) -> None:
-        async with self._db.session() as session:
-            await self.leases.release(session, [row.id], token, until=until)
-            await session.commit()
+        async with self._db.bookkeeping() as connection:
+            await self.leases.release(connection, [row.id], token, until=until)
 
     def classify(self, row: ClaimedRow, error: BaseException) -> tuple[int, str | None]:
         """The new retry count and, when the row is finished with, its dead-letter reason."""
@@ -221,9 +230,9 @@ class TableSource:
             rng=self._rng,
         )
         message = f"{type(error).__name__}: {error}"
-        async with self._db.session() as session:
+        async with self._db.bookkeeping() as connection:
             recorded = await self.leases.record_failure(
-                session,
+                connection,
                 row.id,
                 token,
                 now=now,
@@ -232,7 +241,6 @@ class TableSource:
                 retry_at=now + timedelta(seconds=delay),
                 dead_letter_reason=reason,
             )
-            await session.commit()
         if not recorded:
             self._lost(row, "while recording its failure")
             return
@@ -291,9 +299,8 @@ class TableSource:
             return
         with suppress(Exception):
             async with asyncio.timeout(self.settings.shutdown_timeout_seconds):
-                async with self._db.session() as session:
-                    await self.leases.release(session, [row.id for row in rows], token)
-                    await session.commit()
+                async with self._db.bookkeeping() as connection:
+                    await self.leases.release(connection, [row.id for row in rows], token)
 
     # -- smart wait ------------------------------------------------------------------------
 
@@ -306,8 +313,8 @@ class TableSource:
         waiting = sa.select(sa.func.min(t.available_on)).where(
             pending, t.locked_until.is_(None), t.available_on > now
         )
-        async with self._db.session() as session:
-            first = (await session.exec(leased)).scalar_one_or_none()  # type: ignore[call-overload]
-            second = (await session.exec(waiting)).scalar_one_or_none()  # type: ignore[call-overload]
+        async with self._db.bookkeeping() as connection:
+            first = (await connection.execute(leased)).scalar_one_or_none()
+            second = (await connection.execute(waiting)).scalar_one_or_none()
         candidates = [d for d in (first, second) if d is not None]
         return min(candidates) if candidates else None
