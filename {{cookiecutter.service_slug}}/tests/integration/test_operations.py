@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
 from datetime import timedelta
@@ -212,12 +214,11 @@ async def test_metrics_agree_with_the_table(container: Container) -> None:
     await source.run_cycle()
     assert metrics.oldest_pending_age.labels("outbox")._value.get() == 0
     worker = container.worker()
-    depth_task = worker._sample_depth()
-    import asyncio
-
-    task = asyncio.ensure_future(depth_task)
+    task = asyncio.ensure_future(worker._sample_depth())
     await asyncio.sleep(0.3)
     task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # let it return its connection before the test ends
     pending_total = (await container.admin().count_pending("outbox"))[0].pending
     assert metrics.pending_depth.labels("outbox")._value.get() == pending_total == 0
     exposition = generate_latest(metrics.registry).decode()
