@@ -233,3 +233,15 @@ async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(
     await asyncio.sleep(1.0)
     assert len(first_observer.seen) == 1
     assert second_observer.seen == []  # (both use one database here; the observers tell them apart)
+
+
+@pytest.mark.rabbitmq
+async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(start: Start) -> None:
+    container, _ = await start("rabbitmq")
+    base = envelope(1)
+    orphan = Envelope(base.message_id, "kit.nobody-listens.v1", base.occurred_on, base.body, base.context)
+    with pytest.raises(Exception, match="NO_ROUTE|delivery failed") as failure:
+        await container.bus().publish(orphan)
+    from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import BrokerUnavailableError
+
+    assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage

@@ -1,0 +1,149 @@
+"""Producer-only hosts, the LISTEN connection's reconnect, the outbox CLI, and what the
+processor does when the database fails while it records an outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import OperationalError
+
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
+from {{ cookiecutter.package_name }}.container import Container, build_listener
+
+from ..conftest import FakeClock, acting_as, fetch
+from ..kit import Counter, Counters, Created, install_kit
+from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+
+pytestmark = pytest.mark.integration
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+async def test_a_producer_only_host_persists_without_dispatching(make_container: Any) -> None:
+    producer = make_container(outbox={"immediate_dispatch": False})
+    kit = await install_kit(producer)
+    kit.on(Created, kit.recording("producer-side"))
+    with acting_as():
+        async with producer.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("acme"))
+            await uow.commit()
+    (written,) = await fetch(producer, sa.select(OUTBOX_TABLE))
+    assert kit.seen == []  # nothing ran on the producer
+    assert (written.lock_token, written.processed_on) == (None, None)  # the processor's from the start
+    delay = written.available_on - written.occurred_on
+    assert delay < timedelta(seconds=1)  # eligible at once: there is no in-process attempt to wait for
+    await outbox_source(producer, producer.outbox_deliverer()).run_cycle()  # the processor host delivers
+    assert [label for label, _ in kit.seen] == ["producer-side"]
+    assert (await state(producer, written.id)).processed_on is not None
+
+
+async def test_a_database_failure_while_recording_an_outcome_is_not_charged(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    source = outbox_source(container, ScriptedDeliverer(), clock, lease_seconds=30)
+
+    async def database_down(*_args: Any, **_kwargs: Any) -> Any:
+        raise OperationalError("UPDATE", {}, Exception("connection refused"))
+
+    source.leases.stamp_processed = database_down  # type: ignore[method-assign]
+    with pytest.raises(OperationalError):
+        await source.run_cycle()  # fails the cycle (the polling loop logs it and waits)
+    after = await state(container, row_id)
+    assert (after.retry_count, after.last_error, after.processed_on) == (0, None, None)
+    clock.advance(31)  # once the lease ends, the row is delivered again
+    again = outbox_source(container, ScriptedDeliverer(), clock)
+    await again.run_cycle()
+    assert (await state(container, row_id)).processed_on is not None
+
+
+@pytest.mark.postgres
+async def test_the_listener_reconnects_and_catches_up(postgres_url: str, make_container: Any) -> None:
+    container = make_container(database={"url": postgres_url})
+    wake = WakeSignal()
+    event = wake.subscribe()
+    listener = build_listener(container.settings(), wake)
+    assert listener is not None
+    task = asyncio.create_task(listener.run())
+    try:
+        await asyncio.wait_for(listener.connected.wait(), 10)
+        event.clear()
+        async with container.database().session() as session:
+            await session.exec(
+                sa.text(  # type: ignore[call-overload]
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE query LIKE 'LISTEN%' AND datname = current_database()"
+                )
+            )
+        await asyncio.wait_for(event.wait(), 10)  # the catch-up wake after the reconnect
+        await asyncio.wait_for(listener.connected.wait(), 10)
+        event.clear()
+        before = listener.notifications
+        with acting_as():
+            async with container.units_of_work()() as uow:
+                await install_kit(container)
+                from ..kit import CounterChangedV1
+
+                uow.enqueue(CounterChangedV1(counter_id="c", value=1))
+                await uow.commit()
+        await asyncio.wait_for(event.wait(), 10)
+        assert listener.notifications > before
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if "__" not in k} | {"DATABASE__URL": url}
+    return subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "outbox", *args],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_the_outbox_cli_lists_explains_and_replays(container: Container) -> None:
+    now = container.clock()()
+    (dead,) = await insert_rows(
+        container,
+        [
+            row(
+                "kit.a.v1",
+                now,
+                dead_lettered_on=now,
+                dead_letter_reason="retries_exhausted",
+                retry_count=5,
+                last_error="boom",
+            ),
+        ],
+    )
+    await insert_rows(container, [row("kit.a.v1", now)])
+    url = container.settings().database.url
+    pending = await asyncio.to_thread(cli, url, "pending")
+    expected = {"source": "outbox", "pending": 1, "leased": 0, "dead_lettered": 1}
+    assert json.loads(pending.stdout)[0] == expected
+    letters = json.loads((await asyncio.to_thread(cli, url, "dead-letters")).stdout)
+    assert [d["id"] for d in letters] == [str(dead)]
+    explained = json.loads((await asyncio.to_thread(cli, url, "explain", str(dead))).stdout)
+    assert explained["state"] == "dead_lettered"
+    replayed = json.loads((await asyncio.to_thread(cli, url, "replay", "--actor", "ops", str(dead))).stdout)
+    assert (replayed["replayed"], replayed["replayed_by"]) == ([str(dead)], "ops")
+    unknown = await asyncio.to_thread(cli, url, "explain", str(uuid.uuid4()))
+    assert unknown.returncode == 2
+    assert "no outbox row has id" in unknown.stderr
+    assert "Traceback" not in unknown.stderr
