@@ -102,6 +102,7 @@ async def start(sqlite_url: str) -> AsyncIterator[Start]:
     yield starter
     for container in running:
         await container.worker().stop()
+        await container.bus().delete_topology()  # type: ignore[attr-defined]  # leave the broker clean
         await container.database().dispose()
 
 

@@ -220,7 +220,8 @@ async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(
             await asyncio.Event().wait()  # interrupted by the shutdown
         return Delivered.NEEDS_STAMP
 
-    source = outbox_source(container, ScriptedDeliverer(hangs_on_the_second), clock)
+    # One row at a time, so the third row is genuinely "not reached" when the shutdown comes.
+    source = outbox_source(container, ScriptedDeliverer(hangs_on_the_second), clock, delivery_concurrency=1)
     cycle = asyncio.create_task(source.run_cycle())
     await asyncio.wait_for(second_started.wait(), 10)
     cycle.cancel()

@@ -105,6 +105,17 @@ class FastStreamBus:
     async def ping(self) -> None:
         await self.transport.ping()
 
+    async def delete_topology(self) -> None:
+        """Remove this service's queues, streams and exchanges from the broker, messages included.
+
+        For tests and for decommissioning a namespace; never called by the service itself.
+        """
+        await self.transport.connect()
+        try:
+            await self.transport.delete_topology(self._consumers)
+        finally:
+            await self.transport.close()
+
     async def dead_letters(self, consumer_name: str, limit: int = 100) -> list[DeadLetterCopy]:
         """The dead letters of one consumer (see each transport for the semantics)."""
         (consumer,) = [c for c in self._consumers if c.name == consumer_name]

@@ -80,6 +80,10 @@ class BrokerTransport(Protocol):
         """True when ``error`` means the broker is unreachable (not that the message is bad)."""
         ...
 
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        """Delete what ``declare`` created, messages included (tests, decommissioning)."""
+        ...
+
 
 def own_headers(headers: Mapping[str, object]) -> dict[str, str]:
     """Our headers (x-*, traceparent) as strings: what a dead-letter copy carries along."""
@@ -111,3 +115,40 @@ def message_id_of(headers: Mapping[str, object]) -> str:
 
 class PingFailedError(ConnectionError):
     """The broker did not answer."""
+
+
+class ReceivedMessage:
+    """What every transport's delivery shares: headers, body, message id and the ack."""
+
+    def __init__(self, message: Any, headers: Mapping[str, object] | None = None) -> None:  # noqa: ANN401 (a FastStream message)
+        self._message = message
+        self.headers: dict[str, object] = dict(message.headers or {}) if headers is None else dict(headers)
+        self.body: bytes = message.body
+
+    @property
+    def message_id(self) -> str:
+        return message_id_of(self.headers)
+
+    async def ack(self) -> None:
+        await self._message.ack()
+
+
+class FastStreamTransport:
+    """The broker lifecycle every transport shares (the broker itself is set by the subclass)."""
+
+    broker: Any
+    label = "the broker"
+
+    async def connect(self) -> None:
+        await self.broker.connect()
+
+    async def start_consuming(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+    async def ping(self) -> None:
+        if not await self.broker.ping(timeout=2.0):
+            msg = f"{self.label} did not answer"
+            raise PingFailedError(msg)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError
@@ -30,9 +30,9 @@ from ..naming import EndpointNames
 from .base import (
     DeadLetterCopy,
     DeliveryHandler,
-    PingFailedError,
+    FastStreamTransport,
+    ReceivedMessage,
     dead_letter_headers,
-    message_id_of,
     own_headers,
 )
 
@@ -40,7 +40,7 @@ ATTEMPT = "x-attempt"
 NOT_BEFORE = "x-not-before"
 
 
-class KafkaDelivery:
+class KafkaDelivery(ReceivedMessage):
     def __init__(
         self,
         message: KafkaMessageType,
@@ -51,18 +51,12 @@ class KafkaDelivery:
         dlq: str,
         delay: float,
     ) -> None:
-        self._message = message
+        super().__init__(message)
         self._broker = broker
         self._topic = topic
         self._retry_topic = retry_topic
         self._dlq = dlq
         self._delay = delay
-        self.headers: Mapping[str, object] = dict(message.headers or {})
-        self.body: bytes = message.body
-
-    @property
-    def message_id(self) -> str:
-        return message_id_of(self.headers)
 
     def _key(self) -> bytes | None:
         key = getattr(self._message.raw_message, "key", None)
@@ -70,9 +64,6 @@ class KafkaDelivery:
 
     async def attempt(self) -> int:
         return int(str(self.headers.get(ATTEMPT) or 1))
-
-    async def ack(self) -> None:
-        await self._message.ack()
 
     async def retry(self, attempt: int) -> None:
         not_before = time.time() + self._delay * 2 ** (attempt - 1)
@@ -95,7 +86,10 @@ class KafkaDelivery:
         await self._message.ack()
 
 
-class KafkaTransport:
+class KafkaTransport(FastStreamTransport):
+    label = "Kafka"
+    broker: KafkaBroker
+
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         del registry
         self._settings = settings
@@ -126,22 +120,11 @@ class KafkaTransport:
                 KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
             )
 
-    async def connect(self) -> None:
-        await self.broker.connect()
-
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # topics are created by the cluster (auto-create) or by your platform team
 
-    async def start_consuming(self) -> None:
-        await self.broker.start()
-
-    async def close(self) -> None:
-        await self.broker.stop()
-
-    async def ping(self) -> None:
-        if not await self.broker.ping(timeout=2.0):
-            msg = "Kafka did not answer"
-            raise PingFailedError(msg)
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        del consumers  # topics belong to the cluster's administration
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         del consumer, limit

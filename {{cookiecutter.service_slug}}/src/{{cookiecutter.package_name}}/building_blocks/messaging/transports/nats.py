@@ -10,7 +10,7 @@ NATS (a core publish to a subject no stream captures is silently lost), and carr
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from faststream import AckPolicy
@@ -29,10 +29,10 @@ from ..naming import EndpointNames
 from .base import (
     DeadLetterCopy,
     DeliveryHandler,
-    PingFailedError,
+    FastStreamTransport,
+    ReceivedMessage,
     as_text,
     dead_letter_headers,
-    message_id_of,
 )
 
 
@@ -40,30 +40,21 @@ def _durable(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
-class NatsDelivery:
+class NatsDelivery(ReceivedMessage):
     def __init__(
         self, message: NatsMessageType, broker: NatsBroker, *, dlq_subject: str, dlq_stream: str, delay: float
     ) -> None:
-        self._message = message
+        super().__init__(message)
         self._broker = broker
         self._dlq_subject = dlq_subject
         self._dlq_stream = dlq_stream
         self._delay = delay
-        self.headers: Mapping[str, object] = dict(message.headers or {})
-        self.body: bytes = message.body
-
-    @property
-    def message_id(self) -> str:
-        return message_id_of(self.headers)
 
     async def attempt(self) -> int:
         try:
             return int(self._message.raw_message.metadata.num_delivered)
         except NotJSMessageError:  # a core-NATS message (FastStream's TestNatsBroker): no count
             return 1
-
-    async def ack(self) -> None:
-        await self._message.ack()
 
     async def retry(self, attempt: int) -> None:
         await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
@@ -80,7 +71,10 @@ class NatsDelivery:
         await self._message.ack()
 
 
-class NatsTransport:
+class NatsTransport(FastStreamTransport):
+    label = "NATS"
+    broker: NatsBroker
+
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         self._settings = settings
         self._names = names
@@ -112,9 +106,6 @@ class NatsTransport:
                 )
             )
 
-    async def connect(self) -> None:
-        await self.broker.connect()
-
     async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
         js = self.broker.config.connection_state.stream
         try:
@@ -128,16 +119,14 @@ class NatsTransport:
             await self._ensure_stream(self._events, self._subjects)
         await self._ensure_stream(self._dead_letters, [f"dlq.{self._names.queue('')}>"])
 
-    async def start_consuming(self) -> None:
-        await self.broker.start()
-
-    async def close(self) -> None:
-        await self.broker.stop()
-
-    async def ping(self) -> None:
-        if not await self.broker.ping(timeout=2.0):
-            msg = "NATS did not answer"
-            raise PingFailedError(msg)
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        del consumers  # their durable consumers go with the stream
+        js = self.broker.config.connection_state.stream
+        for name in (self._events, self._dead_letters):
+            try:
+                await js.delete_stream(name)
+            except NotFoundError:
+                continue
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         js = self.broker.config.connection_state.stream

@@ -11,7 +11,7 @@ confirmed and mandatory on a channel that raises on return: an unroutable messag
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed
 from faststream import AckPolicy
@@ -28,28 +28,22 @@ from ..naming import EndpointNames
 from .base import (
     DeadLetterCopy,
     DeliveryHandler,
-    PingFailedError,
+    FastStreamTransport,
+    ReceivedMessage,
     as_text,
     dead_letter_headers,
-    message_id_of,
 )
 
 
-class RabbitDelivery:
+class RabbitDelivery(ReceivedMessage):
     def __init__(self, message: RabbitMessageType, broker: RabbitBroker, main: str, dlq: str) -> None:
-        self._message = message
+        super().__init__(message, message.raw_message.headers or {})  # x-death stays a list
         self._broker = broker
         self._main = main
         self._dlq = dlq
-        self.headers: dict[str, Any] = dict(message.raw_message.headers or {})
-        self.body: bytes = message.body
-
-    @property
-    def message_id(self) -> str:
-        return message_id_of(self.headers)
 
     async def attempt(self) -> int:
-        deaths: list[dict[str, Any]] = list(self.headers.get("x-death") or [])
+        deaths = cast("list[dict[str, Any]]", self.headers.get("x-death") or [])
         rejected = sum(
             int(death.get("count", 0))
             for death in deaths
@@ -57,9 +51,6 @@ class RabbitDelivery:
         )
         crashed = int(str(self.headers.get("x-delivery-count") or 0))
         return rejected + crashed + 1
-
-    async def ack(self) -> None:
-        await self._message.ack()
 
     async def retry(self, attempt: int) -> None:
         del attempt  # the retry queue's TTL is the delay
@@ -77,7 +68,10 @@ class RabbitDelivery:
         await self._message.ack()
 
 
-class RabbitTransport:
+class RabbitTransport(FastStreamTransport):
+    label = "RabbitMQ"
+    broker: RabbitBroker
+
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         self._settings = settings
         self._names = names
@@ -114,9 +108,6 @@ class RabbitTransport:
         async def on_message(message: RabbitMessage) -> None:
             await handler(RabbitDelivery(message, broker, main.name, dlq.name))
 
-    async def connect(self) -> None:
-        await self.broker.connect()
-
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         exchange = await self.broker.declare_exchange(self._exchange)
         for consumer in consumers:
@@ -126,16 +117,13 @@ class RabbitTransport:
             declared = await self.broker.declare_queue(main)
             await declared.bind(exchange, routing_key=main.routing_key)
 
-    async def start_consuming(self) -> None:
-        await self.broker.start()
-
-    async def close(self) -> None:
-        await self.broker.stop()
-
-    async def ping(self) -> None:
-        if not await self.broker.ping(timeout=2.0):
-            msg = "RabbitMQ did not answer"
-            raise PingFailedError(msg)
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        for consumer in consumers:
+            for queue in self._queues(consumer):
+                declared = await self.broker.declare_queue(queue)
+                await declared.delete(if_unused=False, if_empty=False)
+        exchange = await self.broker.declare_exchange(self._exchange)
+        await exchange.delete(if_unused=False)
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         queue = await self.broker.declare_queue(self._queues(consumer)[2])

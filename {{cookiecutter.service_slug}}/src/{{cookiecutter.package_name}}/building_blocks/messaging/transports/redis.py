@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from faststream import AckPolicy
@@ -33,31 +33,22 @@ from ..naming import EndpointNames
 from .base import (
     DeadLetterCopy,
     DeliveryHandler,
-    PingFailedError,
+    FastStreamTransport,
+    ReceivedMessage,
     as_text,
     dead_letter_headers,
-    message_id_of,
 )
 
 
-class RedisDelivery:
+class RedisDelivery(ReceivedMessage):
     def __init__(self, message: RedisStreamMessageType, broker: RedisBroker, stream: str, dlq: str) -> None:
-        self._message = message
+        super().__init__(message)
         self._broker = broker
         self._stream = stream
         self._dlq = dlq
-        self.headers: Mapping[str, object] = dict(message.headers or {})
-        self.body: bytes = message.body
-
-    @property
-    def message_id(self) -> str:
-        return message_id_of(self.headers)
 
     async def attempt(self) -> int:
         return int(await self._message.get_delivery_count())
-
-    async def ack(self) -> None:
-        await self._message.ack()
 
     async def retry(self, attempt: int) -> None:
         del attempt  # left pending: the reclaimer delivers it again after min_idle_time
@@ -71,7 +62,10 @@ class RedisDelivery:
         await self._message.ack()
 
 
-class RedisTransport:
+class RedisTransport(FastStreamTransport):
+    label = "Redis"
+    broker: RedisBroker
+
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         del registry
         self._settings = settings
@@ -97,9 +91,6 @@ class RedisTransport:
         broker.subscriber(stream=fresh, ack_policy=AckPolicy.MANUAL)(on_message)
         broker.subscriber(stream=reclaimer, ack_policy=AckPolicy.MANUAL)(on_message)
 
-    async def connect(self) -> None:
-        await self.broker.connect()
-
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         client = self.broker.config.connection.client
         for consumer in consumers:
@@ -111,16 +102,10 @@ class RedisTransport:
                 if "BUSYGROUP" not in str(error):
                     raise
 
-    async def start_consuming(self) -> None:
-        await self.broker.start()
-
-    async def close(self) -> None:
-        await self.broker.stop()
-
-    async def ping(self) -> None:
-        if not await self.broker.ping(timeout=2.0):
-            msg = "Redis did not answer"
-            raise PingFailedError(msg)
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        names = {self._stream(c) for c in consumers} | {self._names.dead_letters(c.name) for c in consumers}
+        if names:
+            await self.broker.config.connection.client.delete(*sorted(names))
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         entries = await self.broker.config.connection.client.xrange(
