@@ -42,6 +42,7 @@ class Observer:
 
     failures_left: int = 0
     seen: list[dict[str, Any]] = field(default_factory=list)
+    takes_seconds: float = 0.0
 
     async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
         context = current_context()
@@ -60,6 +61,7 @@ class Observer:
             self.failures_left -= 1
             msg = f"observer failure, {self.failures_left} left"
             raise RuntimeError(msg)
+        await asyncio.sleep(self.takes_seconds)
         await record_effect(uow, f"consumed:{event.value}")
 
 
@@ -246,3 +248,15 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import BrokerUnavailableError
 
     assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
+
+
+@pytest.mark.redis
+async def test_a_slow_handler_is_not_handed_to_another_consumer_while_it_runs(start: Start) -> None:
+    """Redis reclaims entries idle longer than the redelivery delay (0.3 s here); the consumer's
+    heartbeat keeps a 2 s handler's entry fresh, so it runs once."""
+    container, observer = await start("redis")
+    observer.takes_seconds = 2.0
+    await container.bus().publish(envelope(8))
+    await effects_become(container, ["consumed:8"], timeout=30)
+    await asyncio.sleep(1.0)
+    assert len(observer.seen) == 1

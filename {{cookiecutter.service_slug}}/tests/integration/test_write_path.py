@@ -5,6 +5,8 @@ Every line of the unit of work's contract has a test here that fails if the beha
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -17,7 +19,7 @@ from sqlmodel import select
 from {{ cookiecutter.package_name }}.building_blocks.domain import ConcurrencyError, NotFoundError
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE, OutboxWriter
 from {{ cookiecutter.package_name }}.building_blocks.persistence.models import InternalCommand, OutboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import HandlerMustNotSaveError, UnitOfWork
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import Claimer
 from {{ cookiecutter.package_name }}.container import Container
 
@@ -215,9 +217,13 @@ async def test_a_lost_lease_rolls_the_handler_effects_back(kit: Kit) -> None:
     async def loses_its_lease(event: Created, uow: UnitOfWork) -> None:
         # Another replica claims the row while the handler runs (before the handler writes:
         # SQLite has a single writer, so that is the only moment it can happen there).
-        async with kit.container.database().session() as other:
-            await other.exec(sa.update(OUTBOX_TABLE).values(lock_token=thief))  # type: ignore[call-overload]
-            await other.commit()
+        async def other_replica() -> None:
+            async with kit.container.database().session() as other:
+                await other.exec(sa.update(OUTBOX_TABLE).values(lock_token=thief))  # type: ignore[call-overload]
+                await other.commit()
+
+        # A fresh context: that commit belongs to another process, not to this handler.
+        await asyncio.create_task(other_replica(), context=contextvars.Context())
         await kit.recording("doomed")(event, uow)
 
     kit.on(Created, loses_its_lease)
@@ -340,3 +346,25 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     assert received == [(4, "globex")]
     assert await fetch(container, select(OutboxMessage)) == []
     del kit
+
+
+async def test_a_handler_cannot_commit_the_session_underneath_either(kit: Kit) -> None:
+    refused: list[BaseException] = []
+
+    async def commits_the_session(event: Created, uow: UnitOfWork) -> None:
+        await kit.recording("sneaky")(event, uow)
+        try:
+            await uow.session.commit()
+        except HandlerMustNotSaveError as error:
+            refused.append(error)
+            raise
+
+    commits_the_session.__qualname__ = "commits_the_session"
+    kit.on(Created, commits_the_session)
+    await place(kit)
+    (error,) = refused
+    assert "commits_the_session" in str(error)
+    assert await kit.effects() == []  # nothing the handler staged was saved
+    (row,) = await outbox(kit.container)
+    assert row.processed_on is None
+    assert "HandlerMustNotSaveError" in row.last_error

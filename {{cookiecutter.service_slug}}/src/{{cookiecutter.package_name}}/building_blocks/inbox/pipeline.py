@@ -38,7 +38,7 @@ from ..handlers import Consumer, handler_name
 from ..messaging.envelope import RejectedMessageError, Rejection, Signer, read_envelope
 from ..outbox.metrics import OutboxMetrics
 from ..persistence.models import InboxMessage
-from ..persistence.unit_of_work import handler_scope
+from ..persistence.guard import handler_scope
 from ..persistence.unit_of_work_factory import UnitOfWorkFactory
 from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
 

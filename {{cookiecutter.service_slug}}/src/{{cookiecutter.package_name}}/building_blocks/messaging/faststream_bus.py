@@ -21,7 +21,10 @@ policy (FastStream's defaults drop or loop messages differently per broker, see
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from ...settings import MessageBusSettings, Transport
@@ -61,6 +64,32 @@ def build_transport(
         return KafkaTransport(settings, names, registry)
     msg = f"{settings.transport} is not a broker transport"
     raise ValueError(msg)
+
+
+@asynccontextmanager
+async def keep_alive(delivery: Delivery) -> AsyncIterator[None]:
+    """While the block runs, ``touch`` the message so the broker does not hand it to another
+    consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``); a no-op where not needed."""
+    interval = delivery.heartbeat_seconds
+    if interval is None:
+        yield
+        return
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await delivery.touch()
+            except Exception:  # noqa: BLE001 (a missed heartbeat only risks a duplicate)
+                log.warning("could not extend message %s", delivery.message_id, exc_info=True)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class FastStreamBus:
@@ -145,7 +174,8 @@ class FastStreamBus:
                 )
                 return
             try:
-                await self._pipeline.consume(consumer, delivery.headers, delivery.body)
+                async with keep_alive(delivery):
+                    await self._pipeline.consume(consumer, delivery.headers, delivery.body)
             except RejectedMessageError as rejected:
                 await delivery.dead_letter(f"rejected: {rejected}", attempt)
                 log.exception("%s: message %s rejected and dead-lettered", consumer.name, delivery.message_id)

@@ -25,7 +25,7 @@ import sqlalchemy as sa
 from ..domain.events import DomainEvent, Message
 from ..handlers import HandlerRegistry, handler_name
 from ..messages import IntegrationEvent
-from ..persistence.unit_of_work import handler_scope
+from ..persistence.guard import handler_scope
 from ..polling.leases import LeaseLostError, LeaseStore
 from .capture import OUTBOX_TABLE, WrittenRow
 

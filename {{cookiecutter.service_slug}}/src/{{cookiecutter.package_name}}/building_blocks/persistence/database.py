@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionma
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ...settings import DatabaseSettings
+from .guard import GuardedSession
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +49,11 @@ class Database:
         self.url = make_url(settings.url)
         self.engine: AsyncEngine = self._create_engine()
         self.sessions = async_sessionmaker(
-            self.engine, class_=AsyncSession, expire_on_commit=False, autoflush=False
+            self.engine,
+            class_=AsyncSession,
+            sync_session_class=GuardedSession,
+            expire_on_commit=False,
+            autoflush=False,
         )
         self.bookkeeping_engine = self._create_bookkeeping_engine()
 

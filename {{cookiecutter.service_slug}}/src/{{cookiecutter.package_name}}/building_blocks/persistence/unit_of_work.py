@@ -27,9 +27,8 @@ decided (a rollback could not undo them). While a handler runs, ``commit()`` the
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from contextvars import ContextVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -44,38 +43,25 @@ from ..domain.events import DomainEvent
 from ..messages import IntegrationEvent, InternalCommand
 from ..polling.leases import LeaseLostError, LeaseStore
 from .database import is_transient
+from .guard import HandlerMustNotSaveError, handler_scope, refuse_commit_in_handler, running_handler
 from .models import InboxMessage
 
 if TYPE_CHECKING:
     from .repository import Repository
     from .unit_of_work_factory import UnitOfWorkFactory
 
+__all__ = [  # the guard's names are re-exported: handlers and tests know them from here
+    "HandlerMustNotSaveError",
+    "UnitOfWork",
+    "UnitOfWorkStateError",
+    "handler_scope",
+    "running_handler",
+]
 T = TypeVar("T")
 P = TypeVar("P")
 
-_running_handler: ContextVar[str | None] = ContextVar("running_handler", default=None)
-
-
-class HandlerMustNotSaveError(RuntimeError):
-    """A handler tried to commit while the unit of work was dispatching to it."""
-
-
 class UnitOfWorkStateError(RuntimeError):
     """The unit of work was used outside ``async with`` or after it finished."""
-
-
-@contextmanager
-def handler_scope(name: str) -> Iterator[None]:
-    """Mark the block as running handler ``name``: any commit inside it is refused."""
-    token = _running_handler.set(name)
-    try:
-        yield
-    finally:
-        _running_handler.reset(token)
-
-
-def running_handler() -> str | None:
-    return _running_handler.get()
 
 
 @dataclass(frozen=True)
@@ -206,15 +192,7 @@ class UnitOfWork:
         self._reset()
 
     async def commit(self) -> None:
-        handler = running_handler()
-        if handler is not None:
-            msg = (
-                f"handler {handler} tried to commit a unit of work while it was being "
-                "dispatched. Handlers mutate state, raise events or enqueue work; the unit of "
-                "work that dispatched them saves it together with the delivery record. Move an "
-                "independent write to an internal command (uow.schedule) instead."
-            )
-            raise HandlerMustNotSaveError(msg)
+        refuse_commit_in_handler()
         if self.committed:
             msg = "this unit of work has already committed; open a new one"
             raise UnitOfWorkStateError(msg)

@@ -37,6 +37,15 @@ class Delivery(Protocol):
         """Publish a copy to the dead-letter destination (confirmed), then ack the original."""
         ...
 
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        """How often ``touch`` must run while the handler works (None: never)."""
+        ...
+
+    async def touch(self) -> None:
+        """Tell the broker the message is still being worked on (no redelivery meanwhile)."""
+        ...
+
 
 DeliveryHandler = Callable[[Delivery], Awaitable[None]]
 
@@ -131,6 +140,13 @@ class ReceivedMessage:
 
     async def ack(self) -> None:
         await self._message.ack()
+
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        return None  # RabbitMQ and Kafka do not redeliver to a live consumer
+
+    async def touch(self) -> None:
+        return None
 
 
 class FastStreamTransport:

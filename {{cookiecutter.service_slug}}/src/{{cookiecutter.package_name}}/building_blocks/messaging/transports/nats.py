@@ -36,6 +36,9 @@ from .base import (
 )
 
 
+ACK_WAIT_SECONDS = 30
+
+
 def _durable(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
@@ -58,6 +61,13 @@ class NatsDelivery(ReceivedMessage):
 
     async def retry(self, attempt: int) -> None:
         await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
+
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        return ACK_WAIT_SECONDS / 3  # a handler slower than ack_wait would run twice at once
+
+    async def touch(self) -> None:
+        await self._message.in_progress()
 
     async def dead_letter(self, error: str, attempt: int) -> None:
         headers = {
@@ -95,7 +105,9 @@ class NatsTransport(FastStreamTransport):
             durable=_durable(self._names.queue(consumer.name)),
             pull_sub=PullSub(batch_size=10, timeout=1.0),
             config=ConsumerConfig(
-                max_deliver=self._settings.max_delivery_attempts + 2, ack_wait=30, filter_subject=subject
+                max_deliver=self._settings.max_delivery_attempts + 2,
+                ack_wait=ACK_WAIT_SECONDS,
+                filter_subject=subject,
             ),
             ack_policy=AckPolicy.MANUAL,
         )

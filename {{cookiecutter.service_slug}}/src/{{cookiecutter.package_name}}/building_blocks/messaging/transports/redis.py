@@ -41,11 +41,36 @@ from .base import (
 
 
 class RedisDelivery(ReceivedMessage):
-    def __init__(self, message: RedisStreamMessageType, broker: RedisBroker, stream: str, dlq: str) -> None:
+    def __init__(  # noqa: PLR0913
+        self,
+        message: RedisStreamMessageType,
+        broker: RedisBroker,
+        *,
+        stream: str,
+        dlq: str,
+        group: str,
+        member: str,
+        idle_seconds: float,
+    ) -> None:
         super().__init__(message)
         self._broker = broker
         self._stream = stream
         self._dlq = dlq
+        self._group = group
+        self._member = member
+        self._idle_seconds = idle_seconds
+
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        return max(self._idle_seconds / 3, 0.05)  # the reclaimer takes entries idle that long
+
+    async def touch(self) -> None:
+        """``XCLAIM ... JUSTID`` to ourselves resets the idle time, not the delivery count."""
+        entry_ids = self._message.raw_message.get("message_ids") or []
+        if entry_ids:
+            await self._broker.config.connection.client.xclaim(
+                self._stream, self._group, self._member, 0, list(entry_ids), justid=True
+            )
 
     async def attempt(self) -> int:
         return int(await self._message.get_delivery_count())
@@ -84,7 +109,12 @@ class RedisTransport(FastStreamTransport):
         broker = self.broker
 
         async def on_message(message: RedisStreamMessage) -> None:
-            await handler(RedisDelivery(message, broker, stream, dlq))
+            await handler(
+                RedisDelivery(
+                    message, broker, stream=stream, dlq=dlq, group=group, member=self._member,
+                    idle_seconds=idle_ms / 1000,
+                )
+            )
 
         fresh = StreamSub(stream, group=group, consumer=self._member)
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
