@@ -80,7 +80,15 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
             file=sys.stderr,
             flush=True,
         )
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
+    # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _already_stopped)
     await server.serve()
+
+
+def _already_stopped(_signal: int, _frame: object) -> None:
+    """The server has already shut down gracefully when uvicorn re-raises the signal."""
 
 
 async def _run_worker(container: Container) -> None:
