@@ -30,7 +30,9 @@ RULES = json.loads(r'''{{ answer_rules_path | tojson }}''')
 
 def main() -> int:
     spec = importlib.util.spec_from_file_location("answer_rules", RULES)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        print(f"ERROR: cannot load the answer rules from {RULES}", file=sys.stderr)
+        return 1
     rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rules)
     problems = rules.validate(ANSWERS)

@@ -28,12 +28,48 @@ PACKAGE_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 # (an `import fastapi` would then import the service itself), nor a folder of the project.
 DEPENDENCY_NAMES = frozenset(
     {
-        "aio_pika", "aiokafka", "aiormq", "aiosqlite", "alembic", "anyio", "asyncpg",
-        "dependency_injector", "fastapi", "faststream", "greenlet", "grimp", "h11", "httpx",
-        "importlinter", "jwt", "mako", "mypy", "nats", "prometheus_client", "pydantic",
-        "pydantic_core", "pydantic_settings", "pytest", "pytest_asyncio", "redis", "ruff",
-        "sqlalchemy", "sqlmodel", "starlette", "typing_extensions", "uvicorn", "yaml",
-        "test", "tests", "src", "app", "migrations", "docs", "build", "dist", "bench",
+        "aio_pika",
+        "aiokafka",
+        "aiormq",
+        "aiosqlite",
+        "alembic",
+        "anyio",
+        "asyncpg",
+        "dependency_injector",
+        "fastapi",
+        "faststream",
+        "greenlet",
+        "grimp",
+        "h11",
+        "httpx",
+        "importlinter",
+        "jwt",
+        "mako",
+        "mypy",
+        "nats",
+        "prometheus_client",
+        "pydantic",
+        "pydantic_core",
+        "pydantic_settings",
+        "pytest",
+        "pytest_asyncio",
+        "redis",
+        "ruff",
+        "sqlalchemy",
+        "sqlmodel",
+        "starlette",
+        "typing_extensions",
+        "uvicorn",
+        "yaml",
+        "test",
+        "tests",
+        "src",
+        "app",
+        "migrations",
+        "docs",
+        "build",
+        "dist",
+        "bench",
     }
 )
 
@@ -58,7 +94,10 @@ def check_identifier(label: str, value: object, *, allow_hyphen: bool) -> str | 
             "'-' or '_', starting with a letter"
         )
     if not allow_hyphen and not PACKAGE_PATTERN.fullmatch(value):
-        return f"{label} {value!r} must be a lowercase Python identifier (letters, digits, '_', starting with a letter)"
+        return (
+            f"{label} {value!r} must be a lowercase Python identifier "
+            "(letters, digits, '_', starting with a letter)"
+        )
     as_module = value.replace("-", "_")
     if keyword.iskeyword(as_module) or keyword.issoftkeyword(as_module):
         return f"{label} {value!r} is a Python keyword"
@@ -93,7 +132,9 @@ def validate(answers: Mapping[str, Any]) -> list[str]:
         check_identifier("package_name", answers.get("package_name"), allow_hyphen=False),
         check_choice("broker", answers.get("broker"), BROKERS),
         check_choice("python_version", answers.get("python_version"), PYTHON_VERSIONS),
-        None if isinstance(include_example, bool) else f"include_example {include_example!r} must be true or false",
+        None
+        if isinstance(include_example, bool)
+        else f"include_example {include_example!r} must be true or false",
     ]
     return [problem for problem in problems if problem]
 
@@ -101,7 +142,7 @@ def validate(answers: Mapping[str, Any]) -> list[str]:
 def report(problems: list[str]) -> None:
     """Print the problems, one line each, and stop."""
     for problem in problems:
-        print(f"ERROR: {problem}", file=sys.stderr)  # noqa: T201
+        print(f"ERROR: {problem}", file=sys.stderr)
     raise SystemExit(1)
 
 
@@ -121,7 +162,7 @@ except ImportError:  # pragma: no cover
 class AnswerValidation(Extension):  # type: ignore[misc]
     """Adds the ``validate_answers`` filter (see the module docstring)."""
 
-    def __init__(self, environment: Any) -> None:  # noqa: ANN401
+    def __init__(self, environment: Any) -> None:
         super().__init__(environment)
         environment.filters["validate_answers"] = _validate_answers
         # The pre-generation hook runs as a script in the new project's folder; it loads these

@@ -28,7 +28,9 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """Run a command, returning its result (stdout and stderr captured as text)."""
     merged = {**os.environ, **(env or {})}
-    return subprocess.run(command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        command, cwd=cwd, env=merged, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def check(command: list[str], cwd: Path, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -20,8 +20,12 @@ def _service_env() -> dict[str, str]:
 def test_generated_test_suite_passes(tmp_path: Path, answers: dict[str, str]) -> None:
     project = bake(tmp_path, **answers)
     python = install(project)
-    result = check([str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
-                   project, env=_service_env(), timeout=1500)
+    result = check(
+        [str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
+        project,
+        env=_service_env(),
+        timeout=1500,
+    )
     print(result.stdout[-3000:])  # the summary shows what ran and what was skipped, and why
 
 
@@ -29,13 +33,21 @@ def test_generated_slow_tiers_pass(tmp_path: Path) -> None:
     """The reliability and slow tiers (several real processes) of the default bake."""
     project = bake(tmp_path)
     python = install(project)
-    result = check([str(python), "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider"],
-                   project, env=_service_env(), timeout=1500)
+    result = check(
+        [str(python), "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider"],
+        project,
+        env=_service_env(),
+        timeout=1500,
+    )
     print(result.stdout[-3000:])
 
 
 def test_service_without_example_passes_its_suite(tmp_path: Path) -> None:
     project = bake(tmp_path, include_example=False)
     python = install(project)
-    check([str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
-          project, env=_service_env(), timeout=1500)
+    check(
+        [str(python), "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider"],
+        project,
+        env=_service_env(),
+        timeout=1500,
+    )

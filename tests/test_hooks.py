@@ -58,14 +58,33 @@ def test_bad_answer_is_one_clear_line_and_creates_nothing(tmp_path: Path, answer
 def test_the_pre_gen_hook_rejects_replayed_answers(tmp_path: Path) -> None:
     """``--replay`` skips the prompts; the pre-generation hook still refuses a bad answer."""
     replay = tmp_path / "replay.json"
-    answers = {"service_name": "X", "service_slug": "x-service", "package_name": "class", "description": "",
-               "author": "", "broker": "nats", "include_example": True, "python_version": "3.11",
-               "__broker_url": "", "__answers_valid": "yes", "_extensions": ["hooks.validation.AnswerValidation"],
-               "_copy_without_render": [], "_template": str(TEMPLATE)}
+    answers = {
+        "service_name": "X",
+        "service_slug": "x-service",
+        "package_name": "class",
+        "description": "",
+        "author": "",
+        "broker": "nats",
+        "include_example": True,
+        "python_version": "3.11",
+        "__broker_url": "",
+        "__answers_valid": "yes",
+        "_extensions": ["hooks.validation.AnswerValidation"],
+        "_copy_without_render": [],
+        "_template": str(TEMPLATE),
+    }
     replay.write_text(json.dumps({"cookiecutter": answers}))
     output = tmp_path / "out"
-    command = [sys.executable, "-m", "cookiecutter", "--replay-file", str(replay), "--output-dir", str(output),
-               str(TEMPLATE)]
+    command = [
+        sys.executable,
+        "-m",
+        "cookiecutter",
+        "--replay-file",
+        str(replay),
+        "--output-dir",
+        str(output),
+        str(TEMPLATE),
+    ]
     result = subprocess.run(command, capture_output=True, text=True, check=False, timeout=120)
     assert result.returncode != 0
     assert "ERROR: package_name 'class' is a Python keyword" in result.stderr
@@ -73,7 +92,7 @@ def test_the_pre_gen_hook_rejects_replayed_answers(tmp_path: Path) -> None:
 
 
 HOSTILE = {
-    "service_name": 'Evil "Quote" \\ Service\nwith \'newline\'',
+    "service_name": "Evil \"Quote\" \\ Service\nwith 'newline'",
     "description": 'Says "hi"\\n and \\ backslashes; """triple""" \'\'\'single\'\'\' $HOME # not a comment',
     "author": 'O\'Brien "the" \\ Author',
 }

@@ -64,9 +64,10 @@ def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: st
     project = bakes["default" if broker == "rabbitmq" else broker]
     compose = yaml.safe_load((project / "docker-compose.yml").read_text())
     assert broker in compose["services"]
-    assert f"# inprocess | rabbitmq | kafka | nats | redis   (this template's broker default: {broker})" in (
-        project / ".env.example"
-    ).read_text()
+    assert (
+        f"# inprocess | rabbitmq | kafka | nats | redis   (this template's broker default: {broker})"
+        in (project / ".env.example").read_text()
+    )
     default = bakes["default"]
     for path in (default / "src").rglob("*.py"):
         if path.name != "about.py":

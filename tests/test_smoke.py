@@ -42,7 +42,9 @@ def _wait_ready(base: str, process: subprocess.Popen[str], timeout: float = 60) 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise AssertionError(f"the service exited early:\n{process.stderr.read() if process.stderr else ''}")
+            raise AssertionError(
+                f"the service exited early:\n{process.stderr.read() if process.stderr else ''}"
+            )
         try:
             if _request(f"{base}/readyz")[0] == 200:
                 return

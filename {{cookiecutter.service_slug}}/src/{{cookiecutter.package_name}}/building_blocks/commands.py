@@ -14,8 +14,8 @@ import uuid
 from .context import restored
 from .handlers import HandlerRegistry, handler_name
 from .outbox.processor import captured_context
-from .persistence.models import InternalCommand as InternalCommandRow
 from .persistence.guard import handler_scope
+from .persistence.models import InternalCommand as InternalCommandRow
 from .persistence.unit_of_work_factory import UnitOfWorkFactory
 from .polling.claim import ClaimedRow
 from .polling.leases import LeaseStore

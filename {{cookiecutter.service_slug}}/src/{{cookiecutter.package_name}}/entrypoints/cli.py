@@ -67,11 +67,12 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
     server = uvicorn.Server(config)
     if settings.environment.value == "development":
         base = f"http://{host}:{port}"
+        package = __package__.rpartition(".")[0]
         print(
             f"{SERVICE_NAME} on {base} ({'API + worker' if with_worker else 'API only'}; "
             f"{settings.database.url}; transport {settings.message_bus.transport.value}; "
             f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'}).\n"
-            f"  Try:  TOKEN=$(python -m {__package__.rpartition('.')[0]} token --tenant acme --user alice)\n"
+            f"  Try:  TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice)\n"
             f'        curl -s -X POST {base}/orders -H "Authorization: Bearer $TOKEN" '
             "-H 'Content-Type: application/json' "
             '-d \'{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}\'\n'

@@ -37,8 +37,8 @@ from ..domain.events import Message
 from ..handlers import Consumer, handler_name
 from ..messaging.envelope import RejectedMessageError, Rejection, Signer, read_envelope
 from ..outbox.metrics import OutboxMetrics
-from ..persistence.models import InboxMessage
 from ..persistence.guard import handler_scope
+from ..persistence.models import InboxMessage
 from ..persistence.unit_of_work_factory import UnitOfWorkFactory
 from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
 

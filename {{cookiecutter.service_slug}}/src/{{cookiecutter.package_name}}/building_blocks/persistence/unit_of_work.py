@@ -60,6 +60,7 @@ __all__ = [  # the guard's names are re-exported: handlers and tests know them f
 T = TypeVar("T")
 P = TypeVar("P")
 
+
 class UnitOfWorkStateError(RuntimeError):
     """The unit of work was used outside ``async with`` or after it finished."""
 

@@ -35,7 +35,6 @@ from .base import (
     dead_letter_headers,
 )
 
-
 ACK_WAIT_SECONDS = 30
 
 

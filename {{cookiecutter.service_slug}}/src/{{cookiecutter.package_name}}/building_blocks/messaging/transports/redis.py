@@ -41,7 +41,7 @@ from .base import (
 
 
 class RedisDelivery(ReceivedMessage):
-    def __init__(  # noqa: PLR0913
+    def __init__(
         self,
         message: RedisStreamMessageType,
         broker: RedisBroker,
@@ -111,7 +111,12 @@ class RedisTransport(FastStreamTransport):
         async def on_message(message: RedisStreamMessage) -> None:
             await handler(
                 RedisDelivery(
-                    message, broker, stream=stream, dlq=dlq, group=group, member=self._member,
+                    message,
+                    broker,
+                    stream=stream,
+                    dlq=dlq,
+                    group=group,
+                    member=self._member,
                     idle_seconds=idle_ms / 1000,
                 )
             )
