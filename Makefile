@@ -13,7 +13,10 @@ help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 $(BIN)/.installed: requirements-dev.txt
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+		echo "error: the template needs Python 3.11 or newer; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
+		"Run: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
+	@$(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu install python3-venv" >&2; exit 1; }
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
 	touch $@
 

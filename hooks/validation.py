@@ -11,6 +11,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import json
 import keyword
 import re
 import sys
@@ -20,12 +21,13 @@ from typing import Any
 
 BROKERS = ("rabbitmq", "kafka", "nats", "redis")
 PYTHON_VERSIONS = ("3.11", "3.12", "3.13")
-MAX_NAME_LENGTH = 60
+MAX_NAME_LENGTH = 40
 MAX_TEXT_LENGTH = 500
 SLUG_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*")
 PACKAGE_PATTERN = re.compile(r"[a-z][a-z0-9_]*")
 # A generated package must not shadow the standard library or a dependency of the service
 # (an `import fastapi` would then import the service itself), nor a folder of the project.
+# The render tier checks this list against every module the baked service installs.
 DEPENDENCY_NAMES = frozenset(
     {
         "aio_pika",
@@ -33,34 +35,72 @@ DEPENDENCY_NAMES = frozenset(
         "aiormq",
         "aiosqlite",
         "alembic",
+        "annotated_doc",
+        "annotated_types",
         "anyio",
+        "ast_serialize",
+        "async_timeout",
         "asyncpg",
+        "certifi",
+        "click",
+        "conftest",
         "dependency_injector",
+        "dotenv",
+        "fast_depends",
         "fastapi",
         "faststream",
         "greenlet",
         "grimp",
         "h11",
+        "hatchling",
+        "httpcore",
         "httpx",
+        "idna",
         "importlinter",
+        "iniconfig",
         "jwt",
+        "librt",
         "mako",
+        "markdown_it",
+        "markupsafe",
+        "mdurl",
+        "multidict",
         "mypy",
+        "mypy_extensions",
+        "mypyc",
         "nats",
+        "opentelemetry",
+        "packaging",
+        "pamqp",
+        "pathspec",
+        "pip",
+        "pkg_resources",
+        "pluggy",
         "prometheus_client",
+        "propcache",
+        "py",
         "pydantic",
         "pydantic_core",
         "pydantic_settings",
+        "pygments",
         "pytest",
         "pytest_asyncio",
+        "pytest_timeout",
         "redis",
+        "rich",
         "ruff",
+        "setuptools",
         "sqlalchemy",
         "sqlmodel",
         "starlette",
         "typing_extensions",
+        "typing_inspection",
+        "uv",
         "uvicorn",
+        "wheel",
         "yaml",
+        "yarl",
+        # folders of the generated project
         "test",
         "tests",
         "src",
@@ -112,6 +152,8 @@ def check_text(label: str, value: object, *, required: bool) -> str | None:
         return f"{label} must not be empty"
     if len(value) > MAX_TEXT_LENGTH:
         return f"{label} is longer than {MAX_TEXT_LENGTH} characters"
+    if any(0xD800 <= ord(character) <= 0xDFFF for character in value):
+        return f"{label} holds an unpaired surrogate; it is not valid text"
     return None
 
 
@@ -136,7 +178,12 @@ def validate(answers: Mapping[str, Any]) -> list[str]:
         if isinstance(include_example, bool)
         else f"include_example {include_example!r} must be true or false",
     ]
-    return [problem for problem in problems if problem]
+    found = [problem for problem in problems if problem]
+    if found and found[0] == "service_name must not be empty":
+        # The slug and the package are derived from the name: one line says it all.
+        found = [problem for problem in found if not problem.endswith("must not be empty")] + found[:1]
+        found = list(dict.fromkeys(found))
+    return found
 
 
 def report(problems: list[str]) -> None:
@@ -153,6 +200,31 @@ def _validate_answers(answers: Mapping[str, Any]) -> str:
     return "yes"
 
 
+def string_literal(value: object) -> str:
+    """``value`` as a double-quoted literal that is valid TOML, Python and YAML alike.
+
+    JSON's escapes (``\\"``, ``\\\\``, ``\\n``, ``\\uXXXX``) are a subset of all three, but
+    Jinja's ``tojson`` writes characters beyond the BMP as surrogate pairs, which TOML rejects:
+    keep them as themselves and escape only what must be escaped (DEL included, for TOML).
+    """
+    return json.dumps(str(value), ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+def one_line(value: object) -> str:
+    """``value`` with every control character turned into a space (headings, comments)."""
+    return " ".join("".join(" " if ord(c) < 0x20 or ord(c) == 0x7F else c for c in str(value)).split())
+
+
+# Machine-specific keys cookiecutter adds itself (and adds again on a replay).
+NOT_RECORDED = frozenset({"_output_dir", "_repo_dir", "_checkout"})
+
+
+def recorded_answers(context: Mapping[str, Any]) -> str:
+    """The whole context as a replay file (``cookiecutter --replay-file``, ``cruft link``)."""
+    answers = {key: value for key, value in context.items() if key not in NOT_RECORDED}
+    return json.dumps({"cookiecutter": answers}, indent=2, ensure_ascii=False)
+
+
 try:  # cookiecutter always has Jinja; the hook that imports this module does not need it
     from jinja2.ext import Extension
 except ImportError:  # pragma: no cover
@@ -165,6 +237,9 @@ class AnswerValidation(Extension):  # type: ignore[misc]
     def __init__(self, environment: Any) -> None:
         super().__init__(environment)
         environment.filters["validate_answers"] = _validate_answers
+        environment.filters["string_literal"] = string_literal
+        environment.filters["one_line"] = one_line
+        environment.filters["recorded_answers"] = recorded_answers
         # The pre-generation hook runs as a script in the new project's folder; it loads these
         # same rules from this absolute path (the template's own path may be relative).
         environment.globals["answer_rules_path"] = str(Path(__file__).resolve())

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 
 from cookiecutter.main import cookiecutter
 
@@ -65,3 +67,13 @@ def text_files(root: Path) -> list[Path]:
         if path.is_file() and not skip.intersection(path.relative_to(root).parts):
             found.append(path)
     return found
+
+
+def load_answer_rules() -> ModuleType:
+    """``hooks/validation.py`` as a module (it is loaded by path, as the pre-gen hook does)."""
+    spec = importlib.util.spec_from_file_location("answer_rules", TEMPLATE / "hooks" / "validation.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -42,6 +42,9 @@ def bake_cli(output: Path, *answers: str) -> subprocess.CompletedProcess[str]:
         ("package_name=typing", "package_name 'typing' would shadow the standard library"),
         ("service_slug=json", "service_slug 'json' would shadow the standard library"),
         ("service_name=   ", "service_name must not be empty"),
+        ("package_name=click", "package_name 'click' would shadow a dependency"),
+        ("package_name=conftest", "package_name 'conftest' would shadow a dependency"),
+        ("service_slug=" + "a" * 41, "service_slug '" + "a" * 41 + "' is longer than 40 characters"),
         ("python_version=3.9", "python_version '3.9' is not one of: 3.11, 3.12, 3.13"),
         ("broker=activemq", "broker 'activemq' is not one of: rabbitmq, kafka, nats, redis"),
     ],
@@ -92,9 +95,9 @@ def test_the_pre_gen_hook_rejects_replayed_answers(tmp_path: Path) -> None:
 
 
 HOSTILE = {
-    "service_name": "Evil \"Quote\" \\ Service\nwith 'newline'",
+    "service_name": "Evil \"Quote\" \\ Service\nwith 'newline' $(shell touch PWNED) \U0001f680 \\",
     "description": 'Says "hi"\\n and \\ backslashes; """triple""" \'\'\'single\'\'\' $HOME # not a comment',
-    "author": 'O\'Brien "the" \\ Author',
+    "author": 'O\'Brien "the" \\ Author \U0001f600\x7f',
 }
 
 
@@ -117,6 +120,39 @@ def test_hostile_free_text_round_trips(tmp_path: Path) -> None:
     yaml.safe_load((project / "docker-compose.yml").read_text())
     for path in project.rglob("*.py"):
         ast.parse(path.read_text(), filename=str(path))
+    assert (project / "README.md").read_text().splitlines()[0].startswith("# Evil")
+    # The Makefile names no free text: make parses it without running anything hidden in it.
+    dry_run = subprocess.run(["make", "-n", "help"], cwd=project, capture_output=True, text=True, check=False)
+    assert dry_run.returncode == 0, dry_run.stderr
+    assert not (project / "PWNED").exists()
+
+
+def test_the_recorded_answers_replay_to_the_same_project(tmp_path: Path) -> None:
+    """``.cookiecutter.json`` is a complete replay file: regenerating from it changes nothing."""
+    project = bake(tmp_path / "first", service_slug="evil-service", **HOSTILE)
+    replayed = tmp_path / "second"
+    command = [sys.executable, "-m", "cookiecutter", "--replay-file", str(project / ".cookiecutter.json")]
+    result = subprocess.run(
+        [*command, "--output-dir", str(replayed), str(TEMPLATE)],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    for path in project.rglob("*"):
+        if path.is_file():
+            twin = replayed / project.name / path.relative_to(project)
+            assert path.read_bytes() == twin.read_bytes(), path
+
+
+def test_an_empty_service_name_is_one_line(tmp_path: Path) -> None:
+    """The slug and the package are derived from the name: their emptiness is not repeated."""
+    result = bake_cli(tmp_path, "service_name=")
+    assert [line for line in result.stderr.splitlines() if line.startswith("ERROR")] == [
+        "ERROR: service_name must not be empty"
+    ]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_answers_are_recorded_for_updates(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from .conftest import VARIANTS
-from .support import check, install, text_files
+from .support import check, install, load_answer_rules, text_files
 
 pytestmark = pytest.mark.render
 LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
@@ -47,7 +47,7 @@ def test_no_template_syntax_is_left(bakes: dict[str, Path], variant: str) -> Non
 def test_config_files_parse(bakes: dict[str, Path], variant: str) -> None:
     project = bakes[variant]
     pyproject = tomllib.loads((project / "pyproject.toml").read_text())
-    assert pyproject["project"]["name"] == "order-service"
+    assert pyproject["project"]["name"] == project.name
     assert pyproject["tool"]["mypy"]["strict"] is True
     compose = yaml.safe_load((project / "docker-compose.yml").read_text())
     assert {"postgres", "migrator", "api", "worker"} <= set(compose["services"])
@@ -69,7 +69,7 @@ def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: st
         in (project / ".env.example").read_text()
     )
     default = bakes["default"]
-    for path in (default / "src").rglob("*.py"):
+    for path in (default / "src").rglob("*.py"):  # same slug: the broker variants keep the name
         if path.name != "about.py":
             assert path.read_text() == (project / path.relative_to(default)).read_text(), path
 
@@ -91,3 +91,22 @@ def test_ruff_mypy_and_import_contracts(bakes: dict[str, Path], shared_python: P
     cache = shared_python.parents[2] / ".mypy_cache"
     check([str(bin_dir / "mypy"), "--cache-dir", str(cache)], project)
     check([str(bin_dir / "lint-imports")], project, env={"PYTHONPATH": str(project / "src")})
+
+
+def test_the_package_name_rules_know_every_installed_module(shared_python: Path) -> None:
+    """A package named like any module the service installs (a dependency of a dependency
+    included, ``click`` or ``idna``) would shadow it: the hook's list must name them all."""
+    listing = check(
+        [
+            str(shared_python),
+            "-c",
+            "import importlib.metadata as m; print('\\n'.join(sorted(m.packages_distributions())))",
+        ],
+        shared_python.parents[2],
+    ).stdout.split()
+    rules = load_answer_rules()
+    installed = {name for name in listing if name.isidentifier() and not name.startswith("_")}
+    missing = sorted(
+        name for name in installed if rules.check_identifier("p", name, allow_hyphen=False) is None
+    )
+    assert missing == [], f"add these to DEPENDENCY_NAMES in hooks/validation.py: {missing}"

@@ -27,12 +27,25 @@ from typing import Any
 
 from faststream import AckPolicy
 
-from {{ cookiecutter.package_name }}.building_blocks.context import RequestContext, use_context
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import build_container
-from {{ cookiecutter.package_name }}.entrypoints import migrations
-from {{ cookiecutter.package_name }}.settings import Settings
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    RequestContext,
+    use_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    build_container,
+)
+from {{ cookiecutter.package_name }}.entrypoints import (
+    migrations,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 URLS = {
     "rabbitmq": "amqp://guest:guest@127.0.0.1:5672/",

@@ -13,8 +13,12 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
 import {{ cookiecutter.package_name }}.building_blocks.persistence.models  # noqa: F401 (registers tables)
-from {{ cookiecutter.package_name }}.container import build_modules
-from {{ cookiecutter.package_name }}.settings import Settings
+from {{ cookiecutter.package_name }}.container import (
+    build_modules,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 config = context.config
 if config.config_file_name is not None and not config.attributes.get("database_url"):

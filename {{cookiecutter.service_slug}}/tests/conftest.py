@@ -34,10 +34,20 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-from {{ cookiecutter.package_name }}.building_blocks.context import RequestContext, use_context
-from {{ cookiecutter.package_name }}.container import Container, build_container
-from {{ cookiecutter.package_name }}.entrypoints import migrations
-from {{ cookiecutter.package_name }}.settings import Settings
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    RequestContext,
+    use_context,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
+from {{ cookiecutter.package_name }}.entrypoints import (
+    migrations,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 for _name in list(os.environ):
     if re.match(
@@ -71,15 +81,22 @@ def service_reachable(name: str) -> bool:
     return _reachable[name]
 
 
+def require_service(name: str) -> None:
+    """Skip the test (with the reason) when ``name`` does not answer; fail under
+    ``REQUIRE_SERVICES=1``, where a missing service is a broken machine, not a laptop."""
+    if service_reachable(name):
+        return
+    message = f"{name} is not reachable at {SERVICE_URLS[name]}"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{message} and REQUIRE_SERVICES=1")
+    pytest.skip(f"{message} (start it, or set TEST_{name.upper()}_URL)")
+
+
 @pytest.fixture(autouse=True)
 def _services_available(request: pytest.FixtureRequest) -> None:
     for name in SERVICE_URLS:
-        if request.node.get_closest_marker(name) is None or service_reachable(name):
-            continue
-        message = f"{name} is not reachable at {SERVICE_URLS[name]}"
-        if REQUIRE_SERVICES:
-            pytest.fail(f"{message} and REQUIRE_SERVICES=1")
-        pytest.skip(f"{message} (start it, or set TEST_{name.upper()}_URL)")
+        if request.node.get_closest_marker(name) is not None:
+            require_service(name)
 
 
 # -- databases -------------------------------------------------------------------------------
@@ -134,8 +151,7 @@ def drop_postgres_database(url: str) -> None:
 @pytest.fixture(scope="session")
 def postgres_database() -> Iterator[str]:
     """One fresh PostgreSQL database for the session, migrated; dropped at the end."""
-    if not service_reachable("postgres"):
-        pytest.skip("postgres is not reachable")
+    require_service("postgres")  # session fixtures run before the autouse check above
     url = create_postgres_database()
     migrate(url)
     yield url
@@ -276,7 +292,9 @@ async def live_server(container: Container, *, with_worker: bool = True) -> Asyn
     """The app on a real uvicorn server (lifespan included), on a free port of this loop."""
     import uvicorn
 
-    from {{ cookiecutter.package_name }}.entrypoints.app import create_app
+    from {{ cookiecutter.package_name }}.entrypoints.app import (
+        create_app,
+    )
 
     port = free_port()
     server = uvicorn.Server(

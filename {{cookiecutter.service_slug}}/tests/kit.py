@@ -12,12 +12,27 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from {{ cookiecutter.package_name }}.building_blocks.context import current_context
-from {{ cookiecutter.package_name }}.building_blocks.domain import AggregateRoot, DomainEvent, applies
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent, InternalCommand
-from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import Repository
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    current_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    AggregateRoot,
+    DomainEvent,
+    applies,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+    InternalCommand,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import (
+    Repository,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 metadata = sa.MetaData()
 COUNTERS = sa.Table(

@@ -6,7 +6,7 @@ The only module in the package written by the template: every other module reads
 
 from typing import Final
 
-SERVICE_NAME: Final = {{ cookiecutter.service_name | tojson }}
+SERVICE_NAME: Final = {{ cookiecutter.service_name | string_literal }}
 SERVICE_SLUG: Final = {{ cookiecutter.service_slug | tojson }}
-DESCRIPTION: Final = {{ cookiecutter.description | tojson }}
+DESCRIPTION: Final = {{ cookiecutter.description | string_literal }}
 DEFAULT_BROKER: Final = {{ cookiecutter.broker | tojson }}

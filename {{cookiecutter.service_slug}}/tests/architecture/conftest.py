@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.container import Container, build_container
-from {{ cookiecutter.package_name }}.entrypoints.migrations import upgrade
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
+from {{ cookiecutter.package_name }}.entrypoints.migrations import (
+    upgrade,
+)
 from {{ cookiecutter.package_name }}.settings import (
     DatabaseSettings,
     MessageBusSettings,

@@ -21,18 +21,39 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import AggregateRoot, DomainEvent, Message, applies
-from {{ cookiecutter.package_name }}.building_blocks.handlers import handler_name
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent, InternalCommand
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import COMMAND_TABLE, OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import InboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import Repository
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    AggregateRoot,
+    DomainEvent,
+    Message,
+    applies,
+)
+from {{ cookiecutter.package_name }}.building_blocks.handlers import (
+    handler_name,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+    InternalCommand,
+)
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+    InboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import (
+    Repository,
+)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     HandlerMustNotSaveError,
     UnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work_factory import UnitOfWorkFactory
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work_factory import (
+    UnitOfWorkFactory,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 pytestmark = pytest.mark.architecture
 

@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.module import collect_adapters
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import build_handlers, build_modules
+from {{ cookiecutter.package_name }}.building_blocks.module import (
+    collect_adapters,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    build_handlers,
+    build_modules,
+)
 
 from .fixtures.save_fixtures import registry as fixtures
 from .save_rule import DEFAULT_DEPTH, DEFAULT_SINKS, Report, SaveRule, SinkSpec, Violation

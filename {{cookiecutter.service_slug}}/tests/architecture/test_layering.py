@@ -21,7 +21,9 @@ from pathlib import Path
 import grimp
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks import module as context_contract
+from {{ cookiecutter.package_name }}.building_blocks import (
+    module as context_contract,
+)
 
 pytestmark = pytest.mark.architecture
 

@@ -30,12 +30,28 @@ from typing import Any, TypeGuard, cast
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import AggregateRoot, DomainEvent, validate_event_name
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import ConsumePipeline
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent
-from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import FastStreamBus
-from {{ cookiecutter.package_name }}.building_blocks.messaging.inprocess import InProcessBus
-from {{ cookiecutter.package_name }}.container import Container, build_modules, build_registry
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    AggregateRoot,
+    DomainEvent,
+    validate_event_name,
+)
+from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
+    ConsumePipeline,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
+    FastStreamBus,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.inprocess import (
+    InProcessBus,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_modules,
+    build_registry,
+)
 
 from .callgraph import (
     CallGraph,

@@ -10,10 +10,21 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import Delivered, SourceSettings, TableSource
-from {{ cookiecutter.package_name }}.container import Container, source_settings
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    Delivered,
+    SourceSettings,
+    TableSource,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    source_settings,
+)
 
 from ..conftest import FakeClock
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlparse
+
 import httpx
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
-from ..conftest import live_server, token_for
+from ..conftest import SERVICE_URLS, ContainerFactory, live_server, token_for
+from ..tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +40,23 @@ async def test_readyz_reports_an_unreachable_database(make_container: object, tm
         ready = await client.get("/readyz")
     assert ready.status_code == 503
     assert ready.json()["checks"]["database"].startswith("error:")
+
+
+@pytest.mark.redis
+async def test_readyz_reports_a_broker_that_stopped_answering(make_container: ContainerFactory) -> None:
+    redis = urlparse(SERVICE_URLS["redis"])
+    async with tcp_proxy(redis.hostname or "127.0.0.1", redis.port or 6379) as proxy:
+        container = make_container(
+            message_bus={"transport": "redis", "url": f"redis://127.0.0.1:{proxy.port}"}
+        )
+        async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+            before = await client.get("/readyz")
+            await proxy.cut()
+            after = await client.get("/readyz")
+    assert before.status_code == 200, before.json()
+    assert after.status_code == 503
+    assert after.json()["checks"]["database"] == "ok"
+    assert after.json()["checks"]["bus"].startswith("error:")
 
 
 async def test_correlation_id_is_echoed_generated_or_refused(container: Container) -> None:

@@ -18,11 +18,24 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import capture, current_context
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import current_delivery
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope, Signer
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    capture,
+    current_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
+    current_delivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+    Envelope,
+    Signer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
 
 from ..conftest import SERVICE_URLS, acting_as, make_settings
 from ..kit import CounterChangedV1, install_kit, record_effect
@@ -245,7 +258,9 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     orphan = Envelope(base.message_id, "kit.nobody-listens.v1", base.occurred_on, base.body, base.context)
     with pytest.raises(Exception, match="NO_ROUTE|delivery failed") as failure:
         await container.bus().publish(orphan)
-    from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import BrokerUnavailableError
+    from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+        BrokerUnavailableError,
+    )
 
     assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
 

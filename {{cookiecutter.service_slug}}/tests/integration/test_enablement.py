@@ -10,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.container import build_container, startup_diagnostics
+from {{ cookiecutter.package_name }}.container import (
+    build_container,
+    startup_diagnostics,
+)
 
 from ..conftest import make_settings
 

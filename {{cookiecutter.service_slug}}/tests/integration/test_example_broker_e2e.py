@@ -9,7 +9,9 @@ import asyncio
 import httpx
 import pytest
 
-from {{ cookiecutter.package_name }}.container import build_container
+from {{ cookiecutter.package_name }}.container import (
+    build_container,
+)
 
 from ..conftest import SERVICE_URLS, live_server, make_settings, token_for
 

@@ -10,7 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 from ..conftest import live_server, token_for
 

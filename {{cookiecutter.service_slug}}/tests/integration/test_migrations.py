@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from alembic.script import ScriptDirectory
 
-from {{ cookiecutter.package_name }}.entrypoints import migrations
+from {{ cookiecutter.package_name }}.entrypoints import (
+    migrations,
+)
 
 from ..conftest import create_postgres_database, drop_postgres_database, in_thread
 

@@ -13,11 +13,22 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client import generate_latest
 
-from {{ cookiecutter.package_name }}.building_blocks.commands import COMMAND_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import AdminError
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import DeadLetterReplay, InboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.commands import (
+    COMMAND_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import (
+    AdminError,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+    DeadLetterReplay,
+    InboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 from ..conftest import FakeClock, acting_as, fetch
 from ..kit import RecordEffect, install_kit, record_effect
@@ -239,7 +250,9 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     seen: list[tuple[str | None, str]] = []
 
     async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
+        from {{ cookiecutter.package_name }}.building_blocks.context import (
+            current_context,
+        )
 
         seen.append((current_context().tenant_id, current_context().authentication_type or ""))
         await record_effect(uow, command.label)

@@ -12,10 +12,19 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import PollingLoop
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import CircuitOpenError, Delivered
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+    PollingLoop,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    CircuitOpenError,
+    Delivered,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 from ..conftest import FakeClock, acting_as
 from ..kit import Counter, Counters, Created, install_kit
@@ -99,7 +108,9 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
+            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+                OUTBOX_TABLE,
+            )
 
             await session.exec(  # type: ignore[call-overload]
                 OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == second_id).values(lock_token=thief)
@@ -126,7 +137,9 @@ def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
 
 @pytest.fixture(autouse=True)
 def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource
+    from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+        TableSource,
+    )
 
     original = TableSource.claim
 
@@ -316,7 +329,9 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     seen: list[tuple[str | None, str | None, str | None]] = []
 
     async def who(event: Created, uow: Any) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
+        from {{ cookiecutter.package_name }}.building_blocks.context import (
+            current_context,
+        )
 
         context = current_context()
         seen.append((context.tenant_id, context.user_id, context.authentication_type))

@@ -18,9 +18,16 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
-from {{ cookiecutter.package_name }}.container import Container, build_listener
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
+    WakeSignal,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_listener,
+)
 
 from ..conftest import FakeClock, acting_as, fetch
 from ..kit import Counter, Counters, Created, install_kit

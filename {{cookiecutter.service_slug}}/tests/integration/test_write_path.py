@@ -16,12 +16,28 @@ import sqlalchemy as sa
 from sqlalchemy.exc import OperationalError
 from sqlmodel import select
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import ConcurrencyError, NotFoundError
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE, OutboxWriter
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import InternalCommand, OutboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import HandlerMustNotSaveError, UnitOfWork
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import Claimer
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    ConcurrencyError,
+    NotFoundError,
+)
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
+    OutboxWriter,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+    InternalCommand,
+    OutboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    HandlerMustNotSaveError,
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    Claimer,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 from ..conftest import ContainerFactory, acting_as, fetch
 from ..kit import (
@@ -334,7 +350,9 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     received: list[tuple[int, str | None]] = []
 
     async def consume(event: CounterChangedV1, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
+        from {{ cookiecutter.package_name }}.building_blocks.context import (
+            current_context,
+        )
 
         received.append((event.value, current_context().tenant_id))
 

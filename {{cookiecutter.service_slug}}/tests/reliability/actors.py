@@ -16,16 +16,41 @@ from datetime import UTC, datetime
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.clock import system_clock
-from {{ cookiecutter.package_name }}.building_blocks.context import CapturedContext
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import PollingLoop
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import Delivered, SourceSettings, TableSource
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
-from {{ cookiecutter.package_name }}.container import Container, build_container, build_listener, source_settings
+from {{ cookiecutter.package_name }}.building_blocks.clock import (
+    system_clock,
+)
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    CapturedContext,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+    Envelope,
+)
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+    PollingLoop,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    Delivered,
+    SourceSettings,
+    TableSource,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
+    WakeSignal,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+    build_listener,
+    source_settings,
+)
 
 from ..conftest import make_settings
 from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect

@@ -16,8 +16,12 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
 
 from ..conftest import acting_as, fetch
 from ..kit import DELIVERIES, EFFECTS, CounterChangedV1, install_kit

@@ -5,9 +5,16 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import BrokerUnavailableError, CircuitBreaker
-from {{ cookiecutter.package_name }}.building_blocks.polling.leases import backoff_seconds
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import CircuitOpenError
+from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+    BrokerUnavailableError,
+    CircuitBreaker,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.leases import (
+    backoff_seconds,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    CircuitOpenError,
+)
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import AggregateRoot, DomainEvent, applies, validate_event_name
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    AggregateRoot,
+    DomainEvent,
+    applies,
+    validate_event_name,
+)
 
 pytestmark = pytest.mark.unit
 

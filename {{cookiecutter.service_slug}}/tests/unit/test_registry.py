@@ -5,8 +5,12 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import DomainEvent
-from {{ cookiecutter.package_name }}.building_blocks.messages import IntegrationEvent
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    DomainEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
 from {{ cookiecutter.package_name }}.building_blocks.registry import (
     MalformedPayloadError,
     MessageRegistry,

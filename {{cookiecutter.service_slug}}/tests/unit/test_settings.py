@@ -1,9 +1,13 @@
 """ADR-100 enablement rules and refused configurations."""
 
-import pytest
-from pydantic import ValidationError
+from pathlib import Path
 
-from {{ cookiecutter.package_name }}.settings import Settings
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -53,3 +57,45 @@ def test_signing_keys_parse_from_the_environment_form() -> None:
     assert {k: v.get_secret_value() for k, v in parsed.signing_keys.items()} == {"k1": "one", "k2": "two"}
     with pytest.raises(ValidationError, match="must look like"):
         settings(message_bus={"signing_keys": "nokey"})
+
+
+ENV_EXAMPLE = Path(__file__).resolve().parents[2] / ".env.example"
+# Values the example file sets on purpose for a first local run (each explained in the file).
+LOCAL_OVERRIDES = {
+    "MESSAGE_BUS__ENABLE_OUTBOX",
+    "MESSAGE_BUS__ENABLE_INBOX",
+    "MESSAGE_BUS__SIGNING_KEYS",
+    "MESSAGE_BUS__SIGNING_KEY_ID",
+}
+
+
+def documented_settings() -> dict[str, str]:
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    pairs = (line.split("=", 1) for line in lines if line and not line.startswith("#"))
+    return dict(pairs)  # type: ignore[arg-type]
+
+
+def every_setting_name() -> set[str]:
+    names = set()
+    for section, field in Settings.model_fields.items():
+        nested = field.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel):
+            names |= {f"{section}__{name}".upper() for name in nested.model_fields}
+        else:
+            names.add(section.upper())
+    return names
+
+
+def test_env_example_documents_every_setting_with_its_default() -> None:
+    documented = documented_settings()
+    assert set(documented) == every_setting_name()
+    from_example = Settings(_env_file=ENV_EXAMPLE).model_dump()  # type: ignore[call-arg]
+    defaults = settings().model_dump()
+    differing = {
+        f"{section}__{name}".upper()
+        for section, values in defaults.items()
+        if isinstance(values, dict)
+        for name, value in values.items()
+        if from_example[section][name] != value
+    }
+    assert differing == LOCAL_OVERRIDES

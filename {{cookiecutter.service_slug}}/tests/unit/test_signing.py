@@ -4,7 +4,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import CapturedContext
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    CapturedContext,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     SIGNATURE,
     TENANT_ID,

@@ -20,10 +20,20 @@ from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
 
-from {{ cookiecutter.package_name }}.building_blocks.context import capture
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope, Signer
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    capture,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+    Envelope,
+    Signer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
 
 from ..conftest import acting_as, make_settings
 from ..kit import CounterChangedV1, effects, install_kit, record_effect
@@ -72,7 +82,9 @@ class Observer:
         self.seen: list[tuple[str | None, str | None]] = []
 
     async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import current_context
+        from {{ cookiecutter.package_name }}.building_blocks.context import (
+            current_context,
+        )
 
         self.seen.append((current_context().tenant_id, current_context().authentication_type))
         if self.failures:

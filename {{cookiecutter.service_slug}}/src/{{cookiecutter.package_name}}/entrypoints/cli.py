@@ -14,7 +14,7 @@ import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from datetime import datetime
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import ValidationError
 
@@ -23,6 +23,9 @@ from ..building_blocks.outbox.admin import AdminError, OutboxAdministration
 from ..container import Container, build_container
 from ..settings import Settings
 from . import migrations
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 from .logging_setup import configure_logging
 
 EXIT_CONFIG = 2
@@ -66,26 +69,43 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
     )
     server = uvicorn.Server(config)
     if settings.environment.value == "development":
-        base = f"http://{host}:{port}"
-        package = __package__.rpartition(".")[0]
-        print(
-            f"{SERVICE_NAME} on {base} ({'API + worker' if with_worker else 'API only'}; "
-            f"{settings.database.url}; transport {settings.message_bus.transport.value}; "
-            f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'}).\n"
-            f"  Try:  TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice)\n"
-            f'        curl -s -X POST {base}/orders -H "Authorization: Bearer $TOKEN" '
-            "-H 'Content-Type: application/json' "
-            '-d \'{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}\'\n'
-            f'        curl -s {base}/notifications?order_id=<id> -H "Authorization: Bearer $TOKEN"\n'
-            f"  Docs: {base}/docs   Metrics: {base}/metrics   AsyncAPI: {base}/asyncapi",
-            file=sys.stderr,
-            flush=True,
-        )
+        _print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_stopped)
     await server.serve()
+
+
+ORDER_EXAMPLE = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'
+
+
+def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
+    """What is running and what to try first (development mode only)."""
+    package = __package__.rpartition(".")[0]
+    token = f"TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice --roles outbox-admin)"
+    auth = '-H "Authorization: Bearer $TOKEN"'
+    if any(getattr(route, "path", None) == "/orders" for route in app.routes):
+        tries = [
+            (
+                f"curl -s -X POST {base}/orders {auth} -H 'Content-Type: application/json' "
+                f"-d '{ORDER_EXAMPLE}'"
+            ),
+            f"curl -s {base}/notifications?order_id=<id> {auth}",
+        ]
+    else:  # generated without the example: the service's own surface
+        tries = [f"curl -s {base}/readyz", f"curl -s {base}/admin/outbox/pending {auth}"]
+    lines = [
+        (
+            f"{SERVICE_NAME} on {base} ({'API + worker' if with_worker else 'API only'}; "
+            f"{settings.database.url}; transport {settings.message_bus.transport.value}; "
+            f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'})."
+        ),
+        f"  Try:  {token}",
+        *(f"        {line}" for line in tries),
+        f"  Docs: {base}/docs   Metrics: {base}/metrics   AsyncAPI: {base}/asyncapi",
+    ]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _already_stopped(_signal: int, _frame: object) -> None:

@@ -1,0 +1,60 @@
+"""A TCP proxy between the service and a real server, so a test can cut the line.
+
+Stopping a shared server would break every other test on the machine; cutting the proxy makes
+the server vanish for one container only, which is what an outage looks like from the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class TcpProxy:
+    """Forwards every connection on ``port`` to ``target_host:target_port`` until cut."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Refuse new connections and drop the open ones (the port stays reserved)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        server_reader, server_writer = await asyncio.open_connection(*self._target)
+        self._writers |= {client_writer, server_writer}
+        await asyncio.gather(
+            self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+        self._writers.discard(writer)
+
+
+@contextlib.asynccontextmanager
+async def tcp_proxy(target_host: str, target_port: int) -> AsyncIterator[TcpProxy]:
+    proxy = TcpProxy(target_host, target_port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.cut()
