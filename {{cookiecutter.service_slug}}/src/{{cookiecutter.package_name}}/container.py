@@ -214,6 +214,7 @@ class Container(containers.DeclarativeContainer):
         handlers,
         max_cascade_depth=settings.provided.outbox.max_cascade_depth,
         publish_direct=providers.Singleton(build_direct_publisher, __self__, registry),
+        metrics=metrics,
     )
     units_of_work = providers.Singleton(
         UnitOfWorkFactory,

@@ -6,6 +6,7 @@ Every line of the unit of work's contract has a test here that fails if the beha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import uuid
 from datetime import timedelta
@@ -50,6 +51,7 @@ from ..kit import (
     Kit,
     RecordEffect,
     install_kit,
+    record_effect,
 )
 
 pytestmark = pytest.mark.integration
@@ -290,6 +292,79 @@ async def test_a_savepoint_release_does_not_dispatch(kit: Kit) -> None:
             assert kit.seen == []
             await uow.commit()
     assert [label for label, _ in kit.seen] == ["projector"]
+
+
+async def test_a_failed_savepoint_rolls_back_its_share_of_the_unit_of_work(kit: Kit) -> None:
+    """The database rolls back to the savepoint, and so does the unit of work: state, events,
+    newly tracked aggregates, enqueued events and scheduled commands of the failed block."""
+    kept = await place(kit)
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            counter = await uow.repository(Counters).get(kept.id)
+            counter.increment(2)
+            uow.enqueue(CounterChangedV1(aggregate_id=counter.id, counter_id=counter.id, value=2))
+
+
+            async def fail_inside_a_savepoint() -> None:
+                async with uow.savepoint():
+                    counter.increment(40)
+                    uow.repository(Counters).add(Counter.create("acme", "born-in-the-savepoint"))
+                    uow.enqueue(CounterChangedV1(aggregate_id=counter.id, counter_id=counter.id, value=42))
+                    uow.schedule(RecordEffect(label="from the failed block"))
+                    await record_effect(uow, "written in the failed block")
+                    raise RuntimeError("give up")
+
+            with pytest.raises(RuntimeError, match="give up"):
+                await fail_inside_a_savepoint()
+            assert counter.value == 2
+            await uow.commit()
+    rows = await fetch(kit.container, sa.select(COUNTERS.c.id, COUNTERS.c.value).order_by(COUNTERS.c.id))
+    assert [tuple(r) for r in rows] == [(kept.id, 2)]
+    names = [(r.event_name, r.payload.get("value")) for r in await outbox(kit.container)]
+    assert names == [("kit.created.v1", None), ("kit.incremented.v1", None), ("kit.counter-changed.v1", 2)]
+    assert await fetch(kit.container, sa.select(InternalCommand)) == []
+    assert await kit.effects() == []
+
+
+async def test_a_handler_may_use_a_savepoint(kit: Kit) -> None:
+    """A savepoint commits nothing, so the run-time guard lets a handler use one."""
+
+    async def careful(event: Any, uow: UnitOfWork) -> None:
+        with contextlib.suppress(RuntimeError):
+            async with uow.savepoint():
+                await record_effect(uow, "tried")
+                raise RuntimeError("optional step failed")
+        await record_effect(uow, "kept")
+
+    kit.on(Created, careful)
+    await place(kit)
+    assert await kit.effects() == ["kept"]
+    assert all(r.processed_on is not None for r in await outbox(kit.container))
+
+
+async def test_a_cascade_past_the_depth_bound_is_dead_lettered(make_container: ContainerFactory) -> None:
+    """A handler loop (each increment raises the next) stops at OUTBOX__MAX_CASCADE_DEPTH: the
+    rows past it are dead-lettered with a reason, never handed on to restart the count."""
+    kit = await install_kit(make_container(outbox={"max_cascade_depth": 3}))
+
+    async def increment_again(event: Incremented, uow: UnitOfWork) -> None:
+        counter = await uow.repository(Counters).get(event.aggregate_id)
+        counter.increment()
+
+    kit.on(Created, kit.recording("created"))
+    kit.on(Incremented, increment_again)
+    counter = await place(kit, increments=1)
+    rows = await outbox(kit.container)
+    increments = [r for r in rows if r.event_name == "kit.incremented.v1"]
+    assert [r.processed_on is not None for r in increments] == [True, True, True, False]
+    assert increments[-1].dead_letter_reason == "cascade_depth_exceeded"
+    assert "OUTBOX__MAX_CASCADE_DEPTH" in increments[-1].last_error
+    values = await fetch(kit.container, sa.select(COUNTERS.c.value).where(COUNTERS.c.id == counter.id))
+    assert values == [(4,)]
+    metric = kit.container.metrics().registry.get_sample_value(
+        "outbox_dead_letters_total", {"source": "outbox", "reason": "cascade_depth_exceeded"}
+    )
+    assert metric == 1.0
 
 
 async def test_a_stale_aggregate_version_is_refused(kit: Kit) -> None:

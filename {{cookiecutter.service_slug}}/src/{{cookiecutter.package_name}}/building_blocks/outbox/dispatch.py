@@ -9,9 +9,14 @@ After a commit, a failed delivery releases the row's lease under its token (best
 on failure), so the processor retries it once the processing delay has passed; later rows of the
 same ordering key are released untouched so they are not delivered before it. A keyed row that
 still has an earlier pending row of its key (written by another transaction) is left to the
-processor, whose claim enforces the order. Cascades (handlers raising events whose handlers raise
-events...) are bounded by ``OUTBOX__MAX_CASCADE_DEPTH``; past it the rows are released to the
-processor and an error names the chain depth.
+processor, whose claim enforces the order.
+
+Cascades (handlers raising events whose handlers raise events...) are bounded by
+``OUTBOX__MAX_CASCADE_DEPTH``. Past it the rows are dead-lettered with the reason
+``cascade_depth_exceeded`` and an Error log names them: handing them to the processor instead
+would only restart the count (the processor delivers at depth 1), so an event loop A -> B -> A
+would never end. A dead letter is evidence an operator can read and replay once the loop is
+fixed; the rows committed so far stay committed.
 """
 
 from __future__ import annotations
@@ -26,13 +31,14 @@ from ..domain.events import DomainEvent, Message
 from ..handlers import HandlerRegistry, handler_name
 from ..messages import IntegrationEvent
 from ..persistence.guard import handler_scope
-from ..polling.leases import LeaseLostError, LeaseStore
+from ..polling.leases import CASCADE_DEPTH_EXCEEDED, LeaseLostError, LeaseStore
 from .capture import OUTBOX_TABLE, WrittenRow
 
 if TYPE_CHECKING:
     import uuid
 
     from ..persistence.unit_of_work_factory import UnitOfWorkFactory
+    from .metrics import OutboxMetrics
 
 log = logging.getLogger(__name__)
 DirectPublish = Callable[[IntegrationEvent], Awaitable[None]]
@@ -51,8 +57,10 @@ class LocalDispatcher:
         *,
         max_cascade_depth: int,
         publish_direct: DirectPublish | None = None,
+        metrics: OutboxMetrics | None = None,
     ) -> None:
         self._handlers = handlers
+        self._metrics = metrics
         self._max_depth = max_cascade_depth
         self._store = LeaseStore(OUTBOX_TABLE)
         self._factory: UnitOfWorkFactory | None = None
@@ -85,13 +93,7 @@ class LocalDispatcher:
         if not rows:
             return
         if depth >= self._max_depth:
-            error = CascadeDepthError(
-                f"domain events cascaded past depth {self._max_depth} (OUTBOX__MAX_CASCADE_DEPTH); "
-                f"{len(rows)} event(s) ({', '.join(sorted({r.message.message_name for r in rows}))}) "
-                "are left to the outbox processor"
-            )
-            log.error("%s", error)
-            await self._release(rows, error)
+            await self._dead_letter_cascade(rows)
             return
         blocked_keys: set[str] = set()
         for row in rows:
@@ -162,6 +164,34 @@ class LocalDispatcher:
         async with self.factory.database.bookkeeping() as connection:
             result = await connection.execute(statement)
             return result.first() is not None
+
+    async def _dead_letter_cascade(self, rows: Sequence[WrittenRow]) -> None:
+        names = ", ".join(sorted({row.message.message_name for row in rows}))
+        error = CascadeDepthError(
+            f"domain events cascaded past depth {self._max_depth} (OUTBOX__MAX_CASCADE_DEPTH): a handler "
+            f"chain keeps raising events; {len(rows)} row(s) of {names} dead-lettered"
+        )
+        log.error("%s (rows %s)", error, ", ".join(str(row.id) for row in rows))
+        now = self.factory.clock()
+        try:
+            async with self.factory.database.bookkeeping() as connection:
+                for row in rows:
+                    await self._store.record_failure(
+                        connection,
+                        row.id,
+                        row.lock_token,
+                        now=now,
+                        error=repr(error),
+                        retry_count=0,
+                        retry_at=now,
+                        dead_letter_reason=CASCADE_DEPTH_EXCEEDED,
+                    )
+        except Exception:
+            # Best effort, like a release: the rows then wait out their lease for the processor.
+            log.exception("could not dead-letter %s outbox row(s) past the cascade depth", len(rows))
+            return
+        if self._metrics is not None:
+            self._metrics.dead_letters.labels("outbox", CASCADE_DEPTH_EXCEEDED).inc(len(rows))
 
     async def _release(self, rows: Sequence[WrittenRow], error: BaseException | None) -> None:
         try:

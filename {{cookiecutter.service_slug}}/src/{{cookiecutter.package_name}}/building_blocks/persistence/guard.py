@@ -58,5 +58,9 @@ class GuardedSession(SQLModelSession):
 
 
 @event.listens_for(GuardedSession, "before_commit")
-def _before_commit(_session: Session) -> None:
+def _before_commit(session: Session) -> None:
+    # SQLAlchemy fires before_commit for a savepoint release too; a savepoint commits nothing
+    # (the owner's transaction still decides), so a handler may use one.
+    if session.in_nested_transaction():
+        return
     refuse_commit_in_handler()

@@ -26,6 +26,7 @@ decided (a rollback could not undo them). While a handler runs, ``commit()`` the
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -70,6 +71,27 @@ class _Stamp:
     store: LeaseStore
     row_id: uuid.UUID
     token: uuid.UUID
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What a savepoint restores when its block fails."""
+
+    tracked: list[tuple[AggregateRoot, Repository[Any]]]
+    states: list[dict[str, Any]]
+    integration_events: int
+    commands: int
+    stamps: int
+    inbox: int
+
+
+def _aggregate_state(aggregate: AggregateRoot) -> dict[str, Any]:
+    """A deep copy of the aggregate's attributes, sharing the pending event objects themselves
+    (``remove_events`` matches them by identity after a commit)."""
+    state = {key: value for key, value in vars(aggregate).items() if key != "_pending_events"}
+    copied = copy.deepcopy(state)
+    copied["_pending_events"] = list(aggregate.pending_events)
+    return copied
 
 
 class UnitOfWork:
@@ -181,9 +203,41 @@ class UnitOfWork:
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
-        """A nested transaction; releasing it commits nothing and dispatches nothing."""
-        async with self.session.begin_nested():
-            yield
+        """A nested transaction; releasing it commits nothing and dispatches nothing.
+
+        When the block raises, the database rolls back to the savepoint and so does this unit
+        of work: aggregates tracked before it get their state and pending events back (from a
+        copy taken on entry), aggregates first tracked inside it are forgotten, and integration
+        events, internal commands, stamps and inbox rows added inside it are dropped. A later
+        ``commit()`` then saves exactly what was decided outside the failed block.
+        """
+        snapshot = self._snapshot()
+        try:
+            async with self.session.begin_nested():
+                yield
+        except BaseException:
+            self._restore(snapshot)
+            raise
+
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            tracked=list(self._tracked),
+            states=[_aggregate_state(aggregate) for aggregate, _ in self._tracked],
+            integration_events=len(self._integration_events),
+            commands=len(self._commands),
+            stamps=len(self._stamps),
+            inbox=len(self._inbox),
+        )
+
+    def _restore(self, snapshot: _Snapshot) -> None:
+        for (aggregate, _), state in zip(snapshot.tracked, snapshot.states, strict=True):
+            vars(aggregate).clear()
+            vars(aggregate).update(state)
+        self._tracked = snapshot.tracked
+        del self._integration_events[snapshot.integration_events :]
+        del self._commands[snapshot.commands :]
+        del self._stamps[snapshot.stamps :]
+        del self._inbox[snapshot.inbox :]
 
     # -- the save --------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ MAX_ERROR_LENGTH = 4000
 RETRIES_EXHAUSTED = "retries_exhausted"
 TYPE_UNRESOLVABLE = "type_unresolvable"
 MALFORMED_PAYLOAD = "malformed_payload"
+CASCADE_DEPTH_EXCEEDED = "cascade_depth_exceeded"
 
 
 class LeaseLostError(RuntimeError):
