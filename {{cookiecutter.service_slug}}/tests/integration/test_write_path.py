@@ -304,7 +304,6 @@ async def test_a_failed_savepoint_rolls_back_its_share_of_the_unit_of_work(kit: 
             counter.increment(2)
             uow.enqueue(CounterChangedV1(aggregate_id=counter.id, counter_id=counter.id, value=2))
 
-
             async def fail_inside_a_savepoint() -> None:
                 async with uow.savepoint():
                     counter.increment(40)
@@ -329,12 +328,16 @@ async def test_a_failed_savepoint_rolls_back_its_share_of_the_unit_of_work(kit: 
 async def test_a_handler_may_use_a_savepoint(kit: Kit) -> None:
     """A savepoint commits nothing, so the run-time guard lets a handler use one."""
 
+    class OptionalStepFailedError(Exception):
+        pass
+
     async def careful(event: Any, uow: UnitOfWork) -> None:
-        with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(OptionalStepFailedError):
             async with uow.savepoint():
                 await record_effect(uow, "tried")
-                raise RuntimeError("optional step failed")
-        await record_effect(uow, "kept")
+                raise OptionalStepFailedError
+        async with uow.savepoint():  # released: SAVEPOINT ... RELEASE, no commit
+            await record_effect(uow, "kept")
 
     kit.on(Created, careful)
     await place(kit)
