@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
@@ -38,9 +39,10 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
+    build_container,
 )
 
-from ..conftest import ContainerFactory, acting_as, fetch
+from ..conftest import ContainerFactory, acting_as, fetch, make_settings
 from ..kit import (
     COUNTERS,
     Counter,
@@ -281,6 +283,45 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
         )
     assert early == []
     assert [r.id for r in late] == [row.id]
+
+
+@pytest.mark.postgres
+async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(postgres_url: str) -> None:
+    """Two operations lock two rows in opposite orders: PostgreSQL kills one (40P01), ``run``
+    re-runs it on a fresh session, and each operation's event is written exactly once."""
+    container = build_container(make_settings(postgres_url))
+    try:
+        kit = await install_kit(container)
+        first, second = await place(kit), await place(kit)
+        both_hold_a_lock = asyncio.Barrier(2)
+        attempts: list[str] = []
+
+        def crossing(mine: Counter, theirs: Counter) -> Callable[[UnitOfWork], Awaitable[None]]:
+            async def operation(uow: UnitOfWork) -> None:
+                attempts.append(mine.id)
+                await lock_row(uow, mine.id)
+                if attempts.count(mine.id) == 1:
+                    await asyncio.wait_for(both_hold_a_lock.wait(), 10)
+                await lock_row(uow, theirs.id)
+                (await uow.repository(Counters).get(mine.id)).increment()
+
+            return operation
+
+        units = container.units_of_work()
+        with acting_as():
+            await asyncio.gather(units().run(crossing(first, second)), units().run(crossing(second, first)))
+        assert len(attempts) == 3, "one of the two operations must have been re-run"
+        increments = [r for r in await outbox(container) if r.event_name == "kit.incremented.v1"]
+        assert sorted(r.ordering_key for r in increments) == sorted([first.id, second.id])
+        values = await fetch(container, sa.select(COUNTERS.c.value))
+        assert sorted(v for (v,) in values) == [1, 1]
+    finally:
+        await container.database().dispose()
+
+
+async def lock_row(uow: UnitOfWork, counter_id: str) -> None:
+    statement = sa.update(COUNTERS).where(COUNTERS.c.id == counter_id).values(value=COUNTERS.c.value)
+    await uow.session.exec(statement)  # type: ignore[call-overload]
 
 
 async def test_a_savepoint_release_does_not_dispatch(kit: Kit) -> None:

@@ -7,12 +7,11 @@ work or one consumed message and is never shared between tasks.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
@@ -24,7 +23,6 @@ from ...settings import DatabaseSettings
 from .guard import GuardedSession
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 # Serialization failure, deadlock, lock not available (PostgreSQL), busy/locked (SQLite).
 TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
@@ -135,17 +133,3 @@ class Database:
         await self.engine.dispose()
         if self.bookkeeping_engine is not self.engine:
             await self.bookkeeping_engine.dispose()
-
-    async def retry_transient(self, operation: Callable[[], Awaitable[T]]) -> T:
-        """Run ``operation`` again (with a short backoff) when it fails transiently."""
-        attempts = self.settings.transient_retry_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                return await operation()
-            except DBAPIError as error:
-                if attempt == attempts or not is_transient(error):
-                    raise
-                log.warning("transient database error (attempt %s/%s): %s", attempt, attempts, error.orig)
-                await asyncio.sleep(0.05 * 2 ** (attempt - 1))
-        msg = "unreachable"
-        raise AssertionError(msg)
