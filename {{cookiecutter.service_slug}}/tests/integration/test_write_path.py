@@ -324,6 +324,45 @@ async def lock_row(uow: UnitOfWork, counter_id: str) -> None:
     await uow.session.exec(statement)  # type: ignore[call-overload]
 
 
+async def test_a_commit_wakes_the_processor_long_before_the_fallback_interval(
+    make_container: ContainerFactory,
+) -> None:
+    """The fallback poll is a minute away: only the wake signal (and NOTIFY on PostgreSQL) set by
+    the commit can deliver the integration event within the test's patience."""
+    container = make_container(outbox={"polling_interval_seconds": 60})
+    await install_kit(container)
+    delivered: list[int] = []
+
+    async def consumer(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        delivered.append(event.value)
+
+    container.handlers().consume("kit.wake-observer", CounterChangedV1, consumer)
+    registry = container.metrics().registry
+    await container.bus().start()
+    await container.worker().start()
+    try:
+        heartbeat = {"source": "outbox"}
+        await wait_until(lambda: registry.get_sample_value(HEARTBEAT, heartbeat) is not None)
+        with acting_as():
+            async with container.units_of_work()() as uow:
+                uow.enqueue(CounterChangedV1(counter_id="c", value=7))
+                await uow.commit()
+        await wait_until(lambda: delivered == [7])
+    finally:
+        await container.worker().stop()
+        await container.bus().stop()
+
+
+HEARTBEAT = "outbox_processor_heartbeat_timestamp_seconds"
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
 async def test_a_savepoint_release_does_not_dispatch(kit: Kit) -> None:
     kit.on(Created, kit.recording("projector"))
     with acting_as():
