@@ -5,9 +5,11 @@ tenant, user and correlation."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+import jwt
 import pytest
 
 from {{ cookiecutter.package_name }}.container import (
@@ -70,6 +72,34 @@ async def test_validation_errors_are_422_with_field_messages(container: Containe
     fields = {tuple(error["loc"][1:]) for error in bad.json()["detail"]}
     assert {("customer_id",), ("lines", 0, "quantity"), ("lines", 0, "unit_price")} <= fields
     assert empty.status_code == 422
+
+
+def bad_tokens(container: Container) -> dict[str, str]:
+    secret = container.settings().auth.jwt_secret.get_secret_value()
+    now = datetime.now(UTC)
+    claims = {"sub": "alice", "tenant": "acme", "roles": [], "iat": now, "exp": now + timedelta(minutes=5)}
+    return {
+        "expired": jwt.encode({**claims, "exp": now - timedelta(minutes=1)}, secret, algorithm="HS256"),
+        "wrong secret": jwt.encode(claims, "not-the-service-secret-" * 2, algorithm="HS256"),
+        "no tenant": jwt.encode({k: v for k, v in claims.items() if k != "tenant"}, secret, algorithm="HS256"),
+        "unsigned": jwt.encode(claims, None, algorithm="none"),
+        "garbage": "not-a-jwt",
+    }
+
+
+async def test_every_order_endpoint_refuses_a_bad_token_with_401(container: Container) -> None:
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        order = (await client.post("/orders", json=ORDER, headers=auth(container))).json()
+        for problem, token in bad_tokens(container).items():
+            headers = {"Authorization": f"Bearer {token}"}
+            answers = [
+                await client.post("/orders", json=ORDER, headers=headers),
+                await client.get(f"/orders/{order['id']}", headers=headers),
+                await client.post(f"/orders/{order['id']}/cancel", headers=headers),
+            ]
+            assert [a.status_code for a in answers] == [401, 401, 401], problem
+        still_placed = await client.get(f"/orders/{order['id']}", headers=auth(container))
+    assert still_placed.json()["status"] == "placed"
 
 
 async def test_unknown_other_tenant_and_anonymous_requests(container: Container) -> None:

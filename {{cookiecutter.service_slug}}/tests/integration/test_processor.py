@@ -7,11 +7,15 @@ import contextlib
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import pytest
 
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    DomainEvent,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
@@ -90,6 +94,39 @@ async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container
     await source.run_cycle()
     second = await state(container, row_id)
     assert second.dead_letter_reason == "type_unresolvable"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenamedV2(DomainEvent, name="kit.renamed.v2"):
+    full_name: str
+
+
+def renamed_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    kept = {key: value for key, value in payload.items() if key != "name"}
+    return {**kept, "full_name": str(payload["name"]).title()}
+
+
+async def test_a_stored_v1_row_is_delivered_as_the_upcast_v2_class(container: Container) -> None:
+    """A row written by the previous version of the service (v1 name and payload) reaches the
+    handler of today's v2 class, through the upcaster the module declares."""
+    registry = container.registry()
+    registry.register(RenamedV2)
+    registry.add_upcaster("kit.renamed.v1", "kit.renamed.v2", renamed_v1_to_v2)
+    registry.validate()
+    seen: list[Any] = []
+
+    async def handler(event: RenamedV2, uow: Any) -> None:
+        seen.append(event)
+
+    container.handlers().on_domain_event(RenamedV2, handler)
+    clock = FakeClock()
+    payload = {"aggregate_id": "a-1", "name": "ada lovelace", "occurred_on": clock.now.isoformat()}
+    (row_id,) = await insert_rows(container, [row("kit.renamed.v1", clock.now, kind="domain", payload=payload)])
+    await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
+    assert [(type(event), event.full_name, event.aggregate_id) for event in seen] == [
+        (RenamedV2, "Ada Lovelace", "a-1")
+    ]
+    assert (await state(container, row_id)).processed_on is not None
 
 
 async def test_max_retries_one_means_no_retry_even_for_unresolvable(container: Container) -> None:

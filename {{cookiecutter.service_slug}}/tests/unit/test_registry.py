@@ -93,3 +93,37 @@ def test_upcaster_cycles_duplicates_and_dead_ends_are_refused() -> None:
     dead_end.add_upcaster("catalog.b.v1", "catalog.b.v2", v1_to_v2)
     with pytest.raises(RegistryError, match="which no class declares"):
         dead_end.validate()
+    shadowing = MessageRegistry()
+    shadowing.register(PriceChangedV3)
+    shadowing.add_upcaster("catalog.price-changed.v3", "catalog.price-changed.v4", v1_to_v2)
+    with pytest.raises(RegistryError, match="would be upcast and never read as that class"):
+        shadowing.validate()
+
+
+def test_the_container_refuses_inconsistent_modules_at_start_up() -> None:
+    """``build_registry`` is what start-up runs: it validates after every module registered."""
+    from {{ cookiecutter.package_name }}.building_blocks.module import (
+        Module,
+        UpcasterSpec,
+    )
+    from {{ cookiecutter.package_name }}.container import (
+        build_registry,
+    )
+
+    looping = Module(
+        name="catalog",
+        messages=[PriceChangedV3],
+        upcasters=[
+            UpcasterSpec("catalog.x.v1", "catalog.x.v2", v1_to_v2),
+            UpcasterSpec("catalog.x.v2", "catalog.x.v1", v1_to_v2),
+        ],
+    )
+    with pytest.raises(RegistryError, match="loops"):
+        build_registry([looping])
+    with pytest.raises(RegistryError, match="declared by both"):
+        build_registry([Module(name="one", messages=[Shipped]), Module(name="two", messages=[ShippedAgain])])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShippedAgain(DomainEvent, name="shipping.shipped.v1"):
+    carrier: str

@@ -2,9 +2,9 @@
 
 The registry is filled once at start-up by the composition root from every module's messages.
 It refuses, at start-up rather than at delivery: two classes with one name, an upcaster whose
-source is registered twice, an upcaster chain that loops, and a chain that ends at a name no
-class declares. At delivery a name that still does not resolve raises ``UnknownMessageError``,
-which the processor treats as ``type_unresolvable``.
+source is registered twice or is still declared by a class, an upcaster chain that loops, and a
+chain that ends at a name no class declares. At delivery a name that still does not resolve
+raises ``UnknownMessageError``, which the processor treats as ``type_unresolvable``.
 """
 
 from __future__ import annotations
@@ -67,8 +67,16 @@ class MessageRegistry:
         self._upcasters[source] = (target, upcast)
 
     def validate(self) -> None:
-        """Refuse loops and dead ends in the upcaster chains (call once after registration)."""
+        """Refuse loops, dead ends and shadowed classes in the upcaster chains (call once after
+        registration)."""
         for start in self._upcasters:
+            if start in self._classes:
+                cls = self._classes[start]
+                msg = (
+                    f"{start!r} has an upcaster and is also declared by {cls.__module__}.{cls.__qualname__}: "
+                    "stored rows of that name would be upcast and never read as that class"
+                )
+                raise RegistryError(msg)
             seen = [start]
             name = start
             while name in self._upcasters:
