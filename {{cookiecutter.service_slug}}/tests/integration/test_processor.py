@@ -121,7 +121,8 @@ async def test_a_stored_v1_row_is_delivered_as_the_upcast_v2_class(container: Co
     container.handlers().on_domain_event(RenamedV2, handler)
     clock = FakeClock()
     payload = {"aggregate_id": "a-1", "name": "ada lovelace", "occurred_on": clock.now.isoformat()}
-    (row_id,) = await insert_rows(container, [row("kit.renamed.v1", clock.now, kind="domain", payload=payload)])
+    stored = row("kit.renamed.v1", clock.now, kind="domain", payload=payload)
+    (row_id,) = await insert_rows(container, [stored])
     await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
     assert [(type(event), event.full_name, event.aggregate_id) for event in seen] == [
         (RenamedV2, "Ada Lovelace", "a-1")
