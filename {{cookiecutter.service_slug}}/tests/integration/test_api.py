@@ -6,9 +6,18 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from fastapi import FastAPI
 
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    ConcurrencyError,
+    DomainError,
+    NotFoundError,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messages import (
     IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.web import (
+    install_error_handlers,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -68,6 +77,36 @@ async def test_correlation_id_is_echoed_generated_or_refused(container: Containe
     assert len(generated.headers["x-correlation-id"]) == 32
     assert refused.status_code == 400
     assert "64 characters" in refused.json()["detail"]
+    assert len(refused.headers["x-correlation-id"]) == 32  # a fresh id, not the refused one
+
+
+async def test_domain_errors_map_to_stable_status_codes() -> None:
+    """The mapping every bounded context relies on: 404, 409 (conflict, stale version), 422."""
+    app = FastAPI()
+    install_error_handlers(app)
+    errors = {
+        "missing": NotFoundError("order", "o-1"),
+        "stale": ConcurrencyError("order", "o-1", 3),
+        "conflict": DomainError("already cancelled", code="already_cancelled"),
+        "invalid": DomainError("blank", code="invalid", field=("customer_id",)),
+    }
+
+    @app.get("/{case}")
+    async def fail(case: str) -> None:
+        raise errors[case]
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        answers = {case: await client.get(f"/{case}") for case in errors}
+    assert {case: answer.status_code for case, answer in answers.items()} == {
+        "missing": 404,
+        "stale": 409,
+        "conflict": 409,
+        "invalid": 422,
+    }
+    assert answers["stale"].json()["code"] == "concurrency_conflict"
+    assert "reload it and try again" in answers["stale"].json()["detail"]
+    assert answers["invalid"].json()["detail"][0]["loc"] == ["body", "customer_id"]
 
 
 async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> None:

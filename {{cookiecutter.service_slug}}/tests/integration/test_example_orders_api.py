@@ -6,17 +6,23 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import httpx
 import jwt
 import pytest
+from sqlmodel import col, select
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
+from {{ cookiecutter.package_name }}.orders.infrastructure import (
+    CustomerStatisticsRow,
+    OrderSummaryRow,
+)
 
-from ..conftest import live_server, token_for
+from ..conftest import fetch, live_server, token_for
 
 pytestmark = pytest.mark.integration
 ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}
@@ -60,6 +66,36 @@ async def test_place_read_cancel_and_see_the_notifications(container: Container)
     assert len({n["message_id"] for n in notifications}) == 2
 
 
+async def test_placing_and_cancelling_keep_the_read_model_and_the_customer_counter(
+    container: Container,
+) -> None:
+    """The domain-event handlers update ``order_summaries`` in the event's own follow-up unit of
+    work; the internal command counts the customer's orders in a unit of work of its own."""
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+        headers = auth(container)
+        first = (await client.post("/orders", json=ORDER, headers=headers)).json()
+        await client.post("/orders", json=ORDER, headers=headers)
+        await client.post(
+            f"/orders/{first['id']}/cancel", json={"reason": "changed my mind"}, headers=headers
+        )
+        await wait_for_notifications(client, first["id"], headers, 2)
+        for _ in range(200):
+            counted = await fetch(container, select(CustomerStatisticsRow))
+            if counted and counted[0].orders_placed == 2:
+                break
+            await asyncio.sleep(0.05)
+    summary = (
+        await fetch(container, select(OrderSummaryRow).where(col(OrderSummaryRow.order_id) == first["id"]))
+    )[0]
+    assert (summary.status, summary.line_count, summary.total, summary.events_applied) == (
+        "cancelled",
+        1,
+        Decimal("19.98"),
+        2,
+    )
+    assert [(c.tenant_id, c.customer_id, c.orders_placed) for c in counted] == [("acme", "c-1", 2)]
+
+
 async def test_validation_errors_are_422_with_field_messages(container: Container) -> None:
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         bad = await client.post(
@@ -72,6 +108,25 @@ async def test_validation_errors_are_422_with_field_messages(container: Containe
     fields = {tuple(error["loc"][1:]) for error in bad.json()["detail"]}
     assert {("customer_id",), ("lines", 0, "quantity"), ("lines", 0, "unit_price")} <= fields
     assert empty.status_code == 422
+
+
+async def test_business_rule_errors_name_their_field_like_validation_errors(container: Container) -> None:
+    """Blank text passes the schema's min_length; the domain refuses it, naming the field."""
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        blank_customer = await client.post(
+            "/orders", json={**ORDER, "customer_id": "   "}, headers=auth(container)
+        )
+        blank_sku = await client.post(
+            "/orders",
+            json={"customer_id": "c-1", "lines": [*ORDER["lines"], {**ORDER["lines"][0], "sku": " "}]},
+            headers=auth(container),
+        )
+    assert blank_customer.status_code == 422
+    assert blank_customer.json()["detail"][0]["loc"] == ["body", "customer_id"]
+    assert blank_sku.status_code == 422
+    assert blank_sku.json()["detail"] == [
+        {"loc": ["body", "lines", 1, "sku"], "msg": "line 2: sku must not be blank", "type": "invalid"}
+    ]
 
 
 def bad_tokens(container: Container) -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
@@ -229,6 +230,33 @@ async def test_a_failed_dispatch_releases_the_lease_and_keeps_no_effect(kit: Kit
     assert "handler exploded" in row.last_error
     assert row.retry_count == 0  # an in-process attempt is not one of the processor's retries
     assert await kit.effects() == []
+
+
+async def test_a_failed_release_is_logged_and_the_row_waits_out_its_lease(
+    kit: Kit, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release after a failed dispatch is best effort: if it fails too, the error is logged,
+    the commit still stands, and the row stays leased until the processor may take it."""
+
+    async def release_fails(*_args: object, **_kwargs: object) -> set[uuid.UUID]:
+        msg = "connection reset while releasing"
+        raise ConnectionResetError(msg)
+
+    async def fails(event: Created, uow: UnitOfWork) -> None:
+        msg = "handler exploded"
+        raise RuntimeError(msg)
+
+    monkeypatch.setattr(kit.container.dispatcher()._store, "release", release_fails)
+    kit.on(Created, fails)
+    lease = kit.container.settings().outbox.lease_seconds
+    with caplog.at_level(logging.ERROR):
+        counter = await place(kit)
+    (row,) = await outbox(kit.container)
+    assert row.ordering_key == counter.id  # the business write committed
+    assert row.lock_token is not None
+    assert row.processed_on is None
+    assert row.locked_until > row.occurred_on + timedelta(seconds=lease - 60)
+    assert "could not release the lease of 1 outbox row(s)" in caplog.text
 
 
 async def test_a_lost_lease_rolls_the_handler_effects_back(kit: Kit) -> None:

@@ -51,7 +51,9 @@ class RequestContextMiddleware:
             correlation_id = validate_correlation_id(headers.get(CORRELATION_HEADER) or new_correlation_id())
             traceparent = validate_traceparent(headers.get("traceparent")) or new_traceparent()
         except InvalidContextError as error:
-            response = JSONResponse({"detail": str(error)}, status_code=400)
+            # A fresh id on the refusal still lets the caller and the logs talk about it.
+            headers_out = {CORRELATION_HEADER: new_correlation_id()}
+            response = JSONResponse({"detail": str(error)}, status_code=400, headers=headers_out)
             await response(scope, receive, send)
             return
         context = RequestContext(correlation_id=correlation_id, traceparent=traceparent)
@@ -120,6 +122,9 @@ def install_error_handlers(app: FastAPI) -> None:
             code = status.HTTP_404_NOT_FOUND
         elif not isinstance(error, ConcurrencyError) and error.code == "invalid":
             code = status.HTTP_422_UNPROCESSABLE_CONTENT
+        if error.field is not None:  # shaped like FastAPI's own validation errors
+            detail = [{"loc": ["body", *error.field], "msg": error.message, "type": error.code}]
+            return JSONResponse({"detail": detail, "code": error.code}, status_code=code)
         return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
 
     app.add_exception_handler(DomainError, domain_error)

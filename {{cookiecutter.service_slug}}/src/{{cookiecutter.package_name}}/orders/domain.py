@@ -49,8 +49,8 @@ class OrderCancelled(DomainEvent, name="orders.domain.order-cancelled.v1", order
 class InvalidOrderError(DomainError):
     """The order breaks a business rule (answered as 422)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, code="invalid")
+    def __init__(self, message: str, field: tuple[str | int, ...] | None = None) -> None:
+        super().__init__(message, code="invalid", field=field)
 
 
 class Order(AggregateRoot):
@@ -74,20 +74,20 @@ class Order(AggregateRoot):
     def place(cls, order_id: str, *, tenant_id: str, customer_id: str, lines: tuple[OrderLine, ...]) -> Order:
         if not customer_id.strip():
             msg = "customer_id must not be blank"
-            raise InvalidOrderError(msg)
+            raise InvalidOrderError(msg, ("customer_id",))
         if not 1 <= len(lines) <= MAX_LINES:
             msg = f"an order needs 1 to {MAX_LINES} lines, got {len(lines)}"
-            raise InvalidOrderError(msg)
+            raise InvalidOrderError(msg, ("lines",))
         for number, line in enumerate(lines, start=1):
             if not line.sku.strip():
                 msg = f"line {number}: sku must not be blank"
-                raise InvalidOrderError(msg)
+                raise InvalidOrderError(msg, ("lines", number - 1, "sku"))
             if not 1 <= line.quantity <= MAX_QUANTITY:
                 msg = f"line {number}: quantity must be between 1 and {MAX_QUANTITY}"
-                raise InvalidOrderError(msg)
+                raise InvalidOrderError(msg, ("lines", number - 1, "quantity"))
             if line.unit_price < 0:
                 msg = f"line {number}: unit_price must not be negative"
-                raise InvalidOrderError(msg)
+                raise InvalidOrderError(msg, ("lines", number - 1, "unit_price"))
         order = cls(order_id)
         order._raise(
             OrderPlaced(aggregate_id=order_id, tenant_id=tenant_id, customer_id=customer_id, lines=lines)

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 
 class DomainError(Exception):
-    """A business rule refused the operation (the API answers 409/422 with this message)."""
+    """A business rule refused the operation (the API answers 409/422 with this message).
 
-    def __init__(self, message: str, *, code: str = "domain_error") -> None:
+    ``field`` names the input the rule is about (``("lines", 0, "sku")``) when there is one, so
+    the API reports it where request validation reports its own errors.
+    """
+
+    def __init__(
+        self, message: str, *, code: str = "domain_error", field: tuple[str | int, ...] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
+        self.field = field
 
 
 class NotFoundError(DomainError):
