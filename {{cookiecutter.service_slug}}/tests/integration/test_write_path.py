@@ -12,6 +12,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,6 +28,9 @@ from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
     OUTBOX_TABLE,
     OutboxWriter,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.database import (
+    Database,
+)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
     InternalCommand,
     OutboxMessage,
@@ -41,6 +45,9 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    DatabaseSettings,
 )
 
 from ..conftest import ContainerFactory, acting_as, fetch, make_settings
@@ -572,3 +579,16 @@ async def test_a_handler_cannot_commit_the_session_underneath_either(kit: Kit) -
     (row,) = await outbox(kit.container)
     assert row.processed_on is None
     assert "HandlerMustNotSaveError" in row.last_error
+
+
+async def test_sqlite_runs_in_wal_mode_with_the_configured_busy_timeout(tmp_path: Path) -> None:
+    """WAL lets the API and the worker read while the other writes; the busy timeout makes a
+    writer wait for the lock instead of failing at once with "database is locked"."""
+    url = f"sqlite+aiosqlite:///{tmp_path / 'embedded.db'}"
+    database = Database(DatabaseSettings(url=url, sqlite_busy_timeout_ms=4321))
+    try:
+        async with database.engine.connect() as connection:
+            assert (await connection.execute(sa.text("PRAGMA journal_mode"))).scalar() == "wal"
+            assert (await connection.execute(sa.text("PRAGMA busy_timeout"))).scalar() == 4321
+    finally:
+        await database.dispose()
