@@ -96,6 +96,28 @@ async def test_commit_writes_one_row_per_event_with_stable_names(kit: Kit) -> No
     assert all(r.ordering_key == rows[0].ordering_key for r in rows)
 
 
+async def test_local_events_are_not_ordered_behind_the_aggregates_integration_events(kit: Kit) -> None:
+    """Keys are per kind: an unpublished integration event of an aggregate (say, the broker is
+    down) does not hold back the in-process dispatch of that aggregate's next domain event."""
+    kit.on(Created, kit.recording("created"))
+    kit.on(Incremented, kit.recording("incremented"))
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            counter = Counter.create("acme")
+            uow.repository(Counters).add(counter)
+            uow.enqueue(CounterChangedV1(aggregate_id=counter.id, counter_id=counter.id, value=0))
+            await uow.commit()
+        async with kit.container.units_of_work()() as uow:
+            (await uow.repository(Counters).get(counter.id)).increment()
+            await uow.commit()
+    assert [label for label, _ in kit.seen] == ["created", "incremented"]
+    rows = {r.event_name: r for r in await outbox(kit.container)}
+    assert rows["kit.counter-changed.v1"].processed_on is None  # still waiting for its publish
+    assert rows["kit.incremented.v1"].processed_on is not None
+    assert rows["kit.incremented.v1"].ordering_key == f"domain:{counter.id}"
+    assert rows["kit.counter-changed.v1"].ordering_key == f"integration:{counter.id}"
+
+
 async def fail_mid_transaction(kit: Kit) -> None:
     async with kit.container.units_of_work()() as uow:
         uow.repository(Counters).add(Counter.create("acme"))
@@ -259,7 +281,7 @@ async def test_a_failed_release_is_logged_and_the_row_waits_out_its_lease(
     with caplog.at_level(logging.ERROR):
         counter = await place(kit)
     (row,) = await outbox(kit.container)
-    assert row.ordering_key == counter.id  # the business write committed
+    assert row.ordering_key == f"domain:{counter.id}"  # the business write committed
     assert row.lock_token is not None
     assert row.processed_on is None
     assert row.locked_until > row.occurred_on + timedelta(seconds=lease - 60)
@@ -347,7 +369,7 @@ async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(post
             await asyncio.gather(units().run(crossing(first, second)), units().run(crossing(second, first)))
         assert len(attempts) == 3, "one of the two operations must have been re-run"
         increments = [r for r in await outbox(container) if r.event_name == "kit.incremented.v1"]
-        assert sorted(r.ordering_key for r in increments) == sorted([first.id, second.id])
+        assert sorted(r.ordering_key for r in increments) == sorted(f"domain:{c.id}" for c in (first, second))
         values = await fetch(container, sa.select(COUNTERS.c.value))
         assert sorted(v for (v,) in values) == [1, 1]
     finally:
@@ -520,7 +542,7 @@ async def test_integration_events_and_commands_are_written_unleased(kit: Kit) ->
     assert (event.event_name, event.kind, event.ordering_key) == (
         "kit.counter-changed.v1",
         "integration",
-        "c-1",
+        "integration:c-1",
     )
     (command,) = await fetch(kit.container, select(InternalCommand))
     assert command.command_name == "kit.record-effect.v1"

@@ -8,6 +8,11 @@ claim them while the in-process dispatch runs, so the lease, not the processing 
 duplicate delivery. Integration-event rows are never leased at insert: the processor publishes
 them at once.
 
+Ordering keys are stored per kind (``domain:<key>``, ``integration:<key>``): domain events of an
+aggregate stay in order among themselves, and so do its integration events, but a local handler
+never waits for a broker publish of the same aggregate (during a broker outage it would wait for
+the whole outage). The message itself keeps its plain key (Kafka's partition key).
+
 On PostgreSQL two more things happen inside the transaction: a per-key advisory lock before a
 keyed row is inserted (so ``seq`` order equals commit order within a key), and one ``NOTIFY``
 (delivered only if the transaction commits) that wakes every replica's processor.
@@ -36,6 +41,12 @@ DOMAIN = "domain"
 INTEGRATION = "integration"
 OUTBOX_TABLE = OutboxMessage.__table__  # type: ignore[attr-defined]
 COMMAND_TABLE = InternalCommandRow.__table__  # type: ignore[attr-defined]
+
+
+def stored_ordering_key(kind: str, message: Message) -> str | None:
+    """The key an outbox row is ordered by: the message's key within its kind's key space."""
+    key = message.ordering_key()
+    return None if key is None else f"{kind}:{key}"
 
 
 def notify_channel(namespace: str) -> str:
@@ -139,6 +150,7 @@ class OutboxWriter:
             values = self._base(event, context, now) | {
                 "event_name": event.message_name,
                 "kind": DOMAIN,
+                "ordering_key": stored_ordering_key(DOMAIN, event),
                 # The delay gives the in-process dispatch its chance; a row nobody here will
                 # dispatch in-process is the processor's from the start.
                 "available_on": now + self._delay if leased else now,
@@ -154,6 +166,7 @@ class OutboxWriter:
             values = self._base(integration_event, context, now) | {
                 "event_name": integration_event.message_name,
                 "kind": INTEGRATION,
+                "ordering_key": stored_ordering_key(INTEGRATION, integration_event),
                 "available_on": now,
             }
             capture.rows.append(StagedRow(OUTBOX_TABLE, values, integration_event, leased=False))

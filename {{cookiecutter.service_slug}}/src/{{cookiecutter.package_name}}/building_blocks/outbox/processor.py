@@ -76,7 +76,7 @@ class OutboxDeliverer:
                 occurred_on=row.occurred_on,
                 body=json.dumps(self._registry.dump(message), separators=(",", ":")).encode(),
                 context=context,
-                ordering_key=row.ordering_key,
+                ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
             )
 
             async def publish() -> None:
