@@ -31,8 +31,8 @@ INDEXES = (
     ("pending_key_seq", ["ordering_key", "seq"], f"{PENDING} AND ordering_key IS NOT NULL"),
     ("pending_locked", ["locked_until"], f"{PENDING} AND locked_until IS NOT NULL"),
     ("pending_available", ["available_on"], f"{PENDING} AND locked_until IS NULL"),
-    ("processed_age", ["occurred_on"], "processed_on IS NOT NULL"),
-    ("dead_letter_age", ["occurred_on"], "dead_lettered_on IS NOT NULL"),
+    ("processed_age", ["processed_on"], "processed_on IS NOT NULL"),
+    ("dead_letter_age", ["dead_lettered_on"], "dead_lettered_on IS NOT NULL"),
 )
 
 

@@ -62,16 +62,18 @@ def outbox_source(
     )
 
 
-async def insert_rows(container: Container, rows: list[dict[str, Any]]) -> list[uuid.UUID]:
-    """Insert raw outbox rows (seq assigned in list order)."""
+async def insert_rows(
+    container: Container, rows: list[dict[str, Any]], table: sa.Table = OUTBOX_TABLE
+) -> list[uuid.UUID]:
+    """Insert raw rows into a polled table, the outbox by default (seq assigned in list order)."""
     ids = []
     async with container.database().session() as session:
         for values in rows:
             row_id = values.pop("id", None) or uuid.uuid4()
             ids.append(row_id)
-            statement = sa.insert(OUTBOX_TABLE).values(id=row_id, **values)
+            statement = sa.insert(table).values(id=row_id, **values)
             if container.database().dialect != "postgresql":
-                next_seq = sa.select(sa.func.coalesce(sa.func.max(OUTBOX_TABLE.c.seq), 0) + 1)
+                next_seq = sa.select(sa.func.coalesce(sa.func.max(table.c.seq), 0) + 1)
                 statement = statement.values(seq=next_seq.scalar_subquery())
             await session.exec(statement)  # type: ignore[call-overload]
         await session.commit()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from prometheus_client import generate_latest
+from sqlmodel import select
 
 from {{ cookiecutter.package_name }}.building_blocks.commands import (
     COMMAND_TABLE,
@@ -22,6 +23,9 @@ from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import (
 from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
     DeadLetterReplay,
     InboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+    InternalCommand as InternalCommandRow,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
@@ -49,7 +53,10 @@ async def test_cleanup_deletes_exactly_what_is_past_retention(
         container,
         [
             row("kit.a.v1", now - 6 * days, processed_on=now),  # processed, young
+            row("kit.a.v1", now - 20 * days, processed_on=now - days),  # old event, delivered late
             row("kit.a.v1", now - 20 * days, dead_lettered_on=now, dead_letter_reason="x"),  # dead, < 30 d
+            # replayed long after it happened, then dead-lettered again two days ago:
+            row("kit.a.v1", now - 90 * days, dead_lettered_on=now - 2 * days, dead_letter_reason="x"),
             row("kit.a.v1", now - 90 * days),  # still pending: never
         ],
     )
@@ -74,7 +81,39 @@ async def test_cleanup_deletes_exactly_what_is_past_retention(
     assert counts["outbox:processed"] == 1
     assert counts["outbox:dead_lettered"] == 1
     assert counts["inbox:consumed"] == 1
-    assert "deleted 1 processed row(s) from outbox" in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "retention cleanup deleted 1 processed and 1 dead_lettered row(s) from outbox" in warnings
+    assert "retention cleanup deleted 1 consumed row(s) from inbox" in warnings
+    assert len([w for w in warnings if "retention cleanup" in w]) == 2  # one per table, not per state
+
+
+async def test_cleanup_covers_internal_commands_and_falls_back_to_retention_days(
+    make_container: Any,
+) -> None:
+    """``OUTBOX__DEAD_LETTER_RETENTION_DAYS=0`` means "as long as processed rows"; the command
+    table is swept by the same rules."""
+    container = make_container(outbox={"retention_days": 3, "dead_letter_retention_days": 0})
+    now = container.clock()()
+    old, young = now - timedelta(days=4), now - timedelta(days=2)
+    await insert_rows(
+        container,
+        [
+            row("kit.a.v1", old, dead_lettered_on=old, dead_letter_reason="x"),
+            row("kit.a.v1", young, dead_lettered_on=young, dead_letter_reason="x"),
+        ],
+    )
+    commands = [
+        {"command_name": "kit.record-effect.v1", "payload": {}, "occurred_on": at, "available_on": at}
+        | {"processed_on": at, "retry_count": 0}
+        for at in (old, young)
+    ]
+    await insert_rows(container, commands, InternalCommandRow.__table__)  # type: ignore[attr-defined]
+    counts = await container.cleaner().sweep()
+    assert counts["outbox:dead_lettered"] == 1
+    assert counts["internal_commands:processed"] == 1
+    assert [r.dead_lettered_on for r in await all_rows(container)] == [young]
+    remaining = await fetch(container, select(InternalCommandRow))
+    assert [c.processed_on for c in remaining] == [young]
 
 
 async def test_cleanup_in_batches_removes_everything_due(make_container: Any) -> None:

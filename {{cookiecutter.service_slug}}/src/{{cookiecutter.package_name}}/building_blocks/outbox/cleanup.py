@@ -1,10 +1,13 @@
 """Retention: delete delivered rows, dead letters and inbox records once they are old enough.
 
-Processed rows go after ``OUTBOX__RETENTION_DAYS`` (default 7; 0 disables), dead letters after
-``OUTBOX__DEAD_LETTER_RETENTION_DAYS`` (0 = same as retention; set it longer to keep evidence for
-diagnosis and replay), both keyed on ``occurred_on`` (a dead letter never gets a processed
-time); inbox rows after ``INBOX__RETENTION_DAYS`` on ``received_on``. Deletion cannot be undone, so
-every sweep that removed rows logs one Warning per table with the count. Deletes run in bounded
+Processed rows go ``OUTBOX__RETENTION_DAYS`` (default 7; 0 disables) after they were processed,
+dead letters ``OUTBOX__DEAD_LETTER_RETENTION_DAYS`` (0 = same as retention; set it longer to keep
+evidence for diagnosis and replay) after they were dead-lettered, inbox rows
+``INBOX__RETENTION_DAYS`` after they were received. The clock starts at the row's *last* state
+change, not at ``occurred_on``: a row replayed or delivered late keeps its full window (keyed on
+``occurred_on``, a week-old event delivered today would be deleted at the next sweep, and a
+replayed dead letter that failed again would vanish before anyone read it). Deletion cannot be
+undone, so every sweep that removed rows logs one Warning per table naming the counts. Deletes run in bounded
 batches, each its own short transaction, through indexes that contain no pending row, so the
 claim's hot path is never locked for long.
 """
@@ -77,24 +80,31 @@ class RetentionCleaner:
             if policy.retention_days > 0:
                 cutoff = now - timedelta(days=policy.retention_days)
                 counts[f"{source.name}:processed"] = await self._delete_batches(
-                    source.table, [t.id], sa.and_(t.processed_on.is_not(None), t.occurred_on < cutoff)
+                    source.table, [t.id], sa.and_(t.processed_on.is_not(None), t.processed_on < cutoff)
                 )
             if policy.dead_letter_days > 0:
                 cutoff = now - timedelta(days=policy.dead_letter_days)
                 counts[f"{source.name}:dead_lettered"] = await self._delete_batches(
-                    source.table, [t.id], sa.and_(t.dead_lettered_on.is_not(None), t.occurred_on < cutoff)
+                    source.table, [t.id], sa.and_(t.dead_lettered_on.is_not(None), t.dead_lettered_on < cutoff)
                 )
         if policy.inbox_retention_days > 0:
             cutoff = now - timedelta(days=policy.inbox_retention_days)
             counts["inbox:consumed"] = await self._delete_batches(
                 INBOX, [INBOX.c.message_id, INBOX.c.consumer], INBOX.c.received_on < cutoff
             )
+        self._report(counts)
+        return counts
+
+    def _report(self, counts: dict[str, int]) -> None:
+        """Count every deletion; one Warning per table that lost rows, naming each state."""
+        by_table: dict[str, list[str]] = {}
         for key, count in counts.items():
             if count:
                 table, state = key.split(":")
                 self._metrics.cleaned.labels(table, state).inc(count)
-                log.warning("retention cleanup deleted %s %s row(s) from %s", count, state, table)
-        return counts
+                by_table.setdefault(table, []).append(f"{count} {state}")
+        for table, parts in by_table.items():
+            log.warning("retention cleanup deleted %s row(s) from %s", " and ".join(parts), table)
 
     async def run(self, interval_seconds: float) -> None:
         """Sweep forever (first sweep right away)."""

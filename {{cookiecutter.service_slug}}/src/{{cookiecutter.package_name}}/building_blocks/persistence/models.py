@@ -42,8 +42,8 @@ def polled_table_args(table: str) -> tuple[Any, ...]:
         partial("pending_key_seq", "ordering_key", "seq", where=f"{PENDING} AND ordering_key IS NOT NULL"),
         partial("pending_locked", "locked_until", where=f"{PENDING} AND locked_until IS NOT NULL"),
         partial("pending_available", "available_on", where=f"{PENDING} AND locked_until IS NULL"),
-        partial("processed_age", "occurred_on", where="processed_on IS NOT NULL"),
-        partial("dead_letter_age", "occurred_on", where="dead_lettered_on IS NOT NULL"),
+        partial("processed_age", "processed_on", where="processed_on IS NOT NULL"),
+        partial("dead_letter_age", "dead_lettered_on", where="dead_lettered_on IS NOT NULL"),
     )
 
 
