@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import uuid
 from datetime import timedelta
@@ -29,6 +27,12 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    Delivered,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -252,26 +256,53 @@ async def test_explain_reports_backoff_and_processed(container: Container) -> No
 
 
 async def test_metrics_agree_with_the_table(container: Container) -> None:
+    """Each metric against the rows it describes: a leased row and a dead letter are not part of
+    the deliverable backlog's age, the depth counts leased rows, every outcome is counted."""
     clock = FakeClock()
-    await insert_rows(container, [row("kit.a.v1", clock.now - timedelta(seconds=90))])
-    await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
-    source = outbox_source(container, ScriptedDeliverer(), clock, batch_size=2)
+    now = clock.now
+    other_processor = {"locked_until": now + timedelta(minutes=5), "lock_token": uuid.uuid4()}
+    leased, old_dead = await insert_rows(
+        container,
+        [
+            row("kit.a.v1", now - timedelta(seconds=300), **other_processor),
+            row("kit.a.v1", now - timedelta(seconds=1000), dead_lettered_on=now, dead_letter_reason="x"),
+        ],
+    )
+    delivered, failing = await insert_rows(
+        container,
+        [row("kit.a.v1", now - timedelta(seconds=90)), row("kit.a.v1", now - timedelta(seconds=30))],
+    )
+
+    async def fail_one(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == failing:
+            msg = "downstream refused"
+            raise ConnectionError(msg)
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(fail_one), clock, max_retries=1)
     await source.run_cycle()
-    metrics = container.metrics()
-    assert metrics.oldest_pending_age.labels("outbox")._value.get() == pytest.approx(90)
-    assert metrics.dispatched.labels("outbox", "integration")._value.get() == 2
-    await source.run_cycle()
-    await source.run_cycle()
-    assert metrics.oldest_pending_age.labels("outbox")._value.get() == 0
-    worker = container.worker()
-    task = asyncio.ensure_future(worker._sample_depth())
-    await asyncio.sleep(0.3)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task  # let it return its connection before the test ends
-    pending_total = (await container.admin().count_pending("outbox"))[0].pending
-    assert metrics.pending_depth.labels("outbox")._value.get() == pending_total == 0
-    exposition = generate_latest(metrics.registry).decode()
+    registry = container.metrics().registry
+
+    def sample(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"source": "outbox", **labels})
+
+    assert sample("outbox_oldest_pending_age_seconds") == pytest.approx(90)
+    assert sample("outbox_dispatched_total", kind="integration") == 1
+    assert sample("outbox_failures_total") == 1
+    assert sample("outbox_dead_letters_total", reason="retries_exhausted") == 1
+    assert sample("outbox_dispatch_lag_seconds_count") == 1
+    assert sample("outbox_dispatch_lag_seconds_sum") == pytest.approx(90)
+    assert sample("outbox_processor_heartbeat_timestamp_seconds") == pytest.approx(now.timestamp())
+    assert sample("outbox_lost_leases_total") in (None, 0)
+    await container.worker().sample_depth()
+    (pending,) = await container.admin().count_pending("outbox")
+    assert sample("outbox_pending_depth") == pending.pending == 1  # the leased row only
+    assert (await state(container, leased)).processed_on is None
+    assert (await state(container, delivered)).processed_on is not None
+    assert (await state(container, old_dead)).dead_lettered_on is not None
+    await source.run_cycle()  # nothing claimable: the age drops to 0, not to a stale value
+    assert sample("outbox_oldest_pending_age_seconds") == 0
+    exposition = generate_latest(registry).decode()
     for name in (
         "outbox_pending_depth",
         "outbox_oldest_pending_age_seconds",

@@ -334,16 +334,51 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
     assert loop.cycles <= 6  # woke for the retry, no busy loop meanwhile
 
 
-async def test_a_batch_that_makes_no_progress_does_not_hot_spin(container: Container) -> None:
-    await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
-    source = outbox_source(container, ScriptedDeliverer(fail), retry_backoff_base_seconds=60)
-    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=0.25, clock=container.clock())
+async def run_loop_for(loop: PollingLoop, seconds: float) -> None:
     task = asyncio.create_task(loop.run())
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(seconds)
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task  # let it return its connection before the test ends
-    assert loop.cycles <= 6
+
+
+async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container) -> None:
+    """Five eligible rows, batches of two, every delivery failing: one cycle, then the loop
+    waits (a minute here) instead of sweeping on and charging every row a retry."""
+    ids = await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
+    source = outbox_source(container, ScriptedDeliverer(fail), batch_size=2, retry_backoff_base_seconds=60)
+    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
+    await run_loop_for(loop, 1.0)
+    assert loop.cycles == 1
+    charged = [(await state(container, row_id)).retry_count for row_id in ids]
+    assert sorted(charged) == [0, 0, 0, 1, 1]
+
+
+async def test_a_cycle_that_delivered_re_polls_at_once(container: Container) -> None:
+    """A full batch, and a delivered keyed row whose key-mates wait, both re-poll without waiting
+    for the fallback interval (a minute here): one key of five rows and three keyless rows
+    drain in a few quick cycles."""
+    now = container.clock()()
+    ids = await insert_rows(
+        container,
+        [row("kit.a.v1", now, key="k") for _ in range(5)] + [row("kit.a.v1", now) for _ in range(3)],
+    )
+    deliverer = ScriptedDeliverer()
+    source = outbox_source(container, deliverer, batch_size=2)
+    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
+    task = asyncio.create_task(loop.run())
+    try:
+        for _ in range(300):
+            if len(deliverer.delivered) == len(ids):
+                break
+            await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert sorted(r.id for r in deliverer.delivered) == sorted(ids)
+    keyed = [r.seq for r in deliverer.delivered if r.ordering_key == "k"]
+    assert keyed == sorted(keyed)
 
 
 async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(

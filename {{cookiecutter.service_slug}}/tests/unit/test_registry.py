@@ -66,8 +66,12 @@ def test_unknown_names_and_bad_payloads_are_reported() -> None:
     r = registry()
     with pytest.raises(UnknownMessageError, match="no registered message is named 'nope.thing.v1'"):
         r.load("nope.thing.v1", {})
-    with pytest.raises(MalformedPayloadError, match="does not validate"):
-        r.load("catalog.price-changed.v3", {"sku": "x"})
+    with pytest.raises(MalformedPayloadError, match="does not validate") as malformed:
+        r.load("catalog.price-changed.v3", {"sku": "x", "amount_cents": "alice@example.com"})
+    # The message lands in last_error, which operators read: field paths and reasons, no values.
+    assert "amount_cents: Input should be a valid integer" in str(malformed.value)
+    assert "currency: Field required" in str(malformed.value)
+    assert "alice@example.com" not in str(malformed.value)
 
 
 def test_duplicate_names_are_refused_at_start_up() -> None:

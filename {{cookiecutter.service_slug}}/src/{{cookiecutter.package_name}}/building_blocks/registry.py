@@ -136,7 +136,13 @@ class MessageRegistry:
         try:
             return cast("Message", self._adapter(cls).validate_python(payload))
         except ValidationError as exc:
-            msg = f"payload of {current!r} does not validate: {exc.error_count()} error(s): {exc}"
+            # Field paths and reasons only: the values may be personal data, and this message
+            # ends up in last_error, which operators read (dead-letter lists, explain).
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in error['loc']) or '<payload>'}: {error['msg']}"
+                for error in exc.errors(include_url=False, include_input=False, include_context=False)
+            )
+            msg = f"payload of {current!r} does not validate: {exc.error_count()} error(s): {problems}"
             raise MalformedPayloadError(msg) from exc
 
     def register_all(self, classes: Iterable[type[Message]]) -> None:

@@ -100,20 +100,21 @@ class Worker:
             await self._bus.stop()
         log.info("worker stopped")
 
+    async def sample_depth(self) -> None:
+        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not)."""
+        async with self._db.session() as session:
+            for source in self._sources:
+                c = source.table.c
+                pending = sa.select(sa.func.count()).where(
+                    c.processed_on.is_(None), c.dead_lettered_on.is_(None)
+                )
+                count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
+                self._metrics.pending_depth.labels(source.name).set(count)
+
     async def _sample_depth(self) -> None:
         while True:
             try:
-                async with self._db.session() as session:
-                    for source in self._sources:
-                        c = source.table.c
-                        count = (
-                            await session.exec(  # type: ignore[call-overload]
-                                sa.select(sa.func.count()).where(
-                                    c.processed_on.is_(None), c.dead_lettered_on.is_(None)
-                                )
-                            )
-                        ).scalar_one()
-                        self._metrics.pending_depth.labels(source.name).set(count)
+                await self.sample_depth()
             except Exception:
                 log.warning("could not sample the pending depth", exc_info=True)
             await asyncio.sleep(self._metrics_interval)

@@ -85,7 +85,9 @@ class RetentionCleaner:
             if policy.dead_letter_days > 0:
                 cutoff = now - timedelta(days=policy.dead_letter_days)
                 counts[f"{source.name}:dead_lettered"] = await self._delete_batches(
-                    source.table, [t.id], sa.and_(t.dead_lettered_on.is_not(None), t.dead_lettered_on < cutoff)
+                    source.table,
+                    [t.id],
+                    sa.and_(t.dead_lettered_on.is_not(None), t.dead_lettered_on < cutoff),
                 )
         if policy.inbox_retention_days > 0:
             cutoff = now - timedelta(days=policy.inbox_retention_days)

@@ -9,8 +9,8 @@ replica), or after the fallback interval. After a cycle it
 * otherwise smart-waits until the earliest *future* eligibility (a processing delay or a retry
   backoff ending), capped by the fallback interval, so a retry runs on time rather than one
   interval late;
-* never re-polls at once after a cycle that made no progress, so a batch that fails in full
-  cannot hot-spin.
+* never re-polls at once after a cycle that delivered nothing, so a batch that fails in full
+  cannot hot-spin (failures are recorded, but they are not progress).
 
 Idle cycles log nothing above DEBUG.
 """
@@ -35,7 +35,7 @@ class CycleResult:
     """What one claim-and-deliver cycle achieved."""
 
     claimed: int = 0
-    completed: int = 0
+    completed: int = 0  # delivered; a recorded failure does not count
     full_batch: bool = False
     keyed_completed: bool = False
 

@@ -122,7 +122,8 @@ class TableSource:
             rows = await self._claimer.claim(
                 connection, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
             )
-        age = (now - rows[0].occurred_on).total_seconds() if rows else 0.0
+        # The poll's own rows give the backlog age: no MIN() query (ADR 2026-08-26 item 3).
+        age = (now - min(row.occurred_on for row in rows)).total_seconds() if rows else 0.0
         self._metrics.oldest_pending_age.labels(self.name).set(max(age, 0.0))
         return rows
 
@@ -165,7 +166,12 @@ class TableSource:
         )
 
     async def _process(self, row: ClaimedRow, token: uuid.UUID) -> bool:
-        """Renew, deliver, record; True when the row left the pending set (or was handled)."""
+        """Renew, deliver, record; True only when the row was delivered.
+
+        A failure is recorded but is not progress: a batch that failed in full must not make
+        the loop re-poll at once (it would sweep the backlog charging every row a retry while
+        the cause, usually a dependency outage, is still there).
+        """
         if not await self._renew(row, token):
             self._lost(row, "before dispatch")
             return False
@@ -179,7 +185,7 @@ class TableSource:
             return False
         except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
             await self._write(self._fail(row, token, error))
-            return True
+            return False
         if delivered is Delivered.NEEDS_STAMP:
             await self._write(self._stamp(row, token))
         else:
