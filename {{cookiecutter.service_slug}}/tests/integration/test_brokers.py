@@ -29,6 +29,9 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
     Signer,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
+    RedisDelivery,
+)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
 )
@@ -265,13 +268,60 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
 
 
+async def pending_entry(container: Container) -> dict[str, Any] | None:
+    """The Redis pending-list entry of the observer's stream, if any (idle ms, delivery count)."""
+    bus = container.bus()
+    names = bus.names  # type: ignore[attr-defined]
+    client = bus.broker.config.connection.client  # type: ignore[attr-defined]
+    entries = await client.xpending_range(
+        names.channel(CounterChangedV1.message_name), names.queue(CONSUMER), "-", "+", 10
+    )
+    assert len(entries) <= 1
+    return dict(entries[0]) if entries else None
+
+
+async def handler_started(observer: Observer) -> None:
+    await eventually(lambda: len(observer.seen) >= 1, timeout=30)
+
+
 @pytest.mark.redis
-async def test_a_slow_handler_is_not_handed_to_another_consumer_while_it_runs(start: Start) -> None:
-    """Redis reclaims entries idle longer than the redelivery delay (0.3 s here); the consumer's
-    heartbeat keeps a 2 s handler's entry fresh, so it runs once."""
+async def test_a_running_handler_keeps_its_redis_entry_fresh(start: Start) -> None:
+    """Redis reclaims entries idle longer than the redelivery delay (0.3 s here); while a 2 s
+    handler runs, its heartbeat keeps resetting the entry's idle time and never counts as a
+    delivery, so nothing (here or in another process) takes it over."""
     container, observer = await start("redis")
     observer.takes_seconds = 2.0
     await container.bus().publish(envelope(8))
+    await handler_started(observer)
+    await asyncio.sleep(1.2)  # four redelivery delays into the handler
+    entry = await pending_entry(container)
+    assert entry is not None
+    assert entry["time_since_delivered"] < 1000  # touched lately, not idle since delivery
+    assert entry["times_delivered"] == 1
     await effects_become(container, ["consumed:8"], timeout=30)
-    await asyncio.sleep(1.0)
     assert len(observer.seen) == 1
+
+
+@pytest.mark.redis
+async def test_a_copy_reclaimed_while_its_handler_runs_is_dropped(
+    start: Start, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the heartbeat stalled (a starved event loop), the process's own reclaimer takes the
+    entry back mid-handler; that copy is dropped, the running handler acks, the effect is once."""
+
+    async def stalled(self: object) -> None:
+        del self
+
+    monkeypatch.setattr(RedisDelivery, "touch", stalled)
+    container, observer = await start("redis")
+    observer.takes_seconds = 2.0
+    await container.bus().publish(envelope(9))
+    await handler_started(observer)
+    await asyncio.sleep(1.5)
+    entry = await pending_entry(container)
+    assert entry is not None
+    assert entry["times_delivered"] >= 2  # the reclaimer did hand a copy over
+    await effects_become(container, ["consumed:9"], timeout=30)
+    await asyncio.sleep(0.7)  # two more redelivery delays: nothing left to reclaim
+    assert len(observer.seen) == 1
+    assert await pending_entry(container) is None  # acknowledged by the handler that ran

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 
@@ -30,8 +31,9 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import FakeClock, acting_as
-from ..kit import Counter, Counters, Created, install_kit
+from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as
+from ..kit import Counter, CounterChangedV1, Counters, Created, install_kit
+from ..tcp_proxy import tcp_proxy
 from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
@@ -244,6 +246,55 @@ async def test_a_hot_key_does_not_starve_unrelated_rows(container: Container) ->
         assert cycles <= 12, "unrelated rows waited behind the hot key"
     hot_delivered = sum(1 for r in deliverer.delivered if r.ordering_key == "hot")
     assert hot_delivered <= cycles  # one hot row per cycle: strict order, never a full batch
+
+
+@pytest.mark.redis
+async def test_a_real_broker_outage_opens_the_circuit_and_charges_no_retry(
+    make_container: ContainerFactory,
+) -> None:
+    """The whole chain, no script: the service's deliverer publishes to a real Redis through a
+    line the test cuts. The outage opens the breaker, the rows are paused with no retry charged,
+    and once the line is back they are delivered."""
+    redis = urlparse(SERVICE_URLS["redis"])
+    async with tcp_proxy(redis.hostname or "127.0.0.1", redis.port or 6379) as proxy:
+        container = make_container(
+            message_bus={
+                "transport": "redis",
+                "url": f"redis://127.0.0.1:{proxy.port}",
+                "circuit_failure_threshold": 2,
+                "circuit_reset_seconds": 0.5,
+                "publish_timeout_seconds": 2,
+            }
+        )
+        await install_kit(container)
+        with acting_as():
+            async with container.units_of_work()() as uow:
+                for value in range(3):
+                    uow.enqueue(CounterChangedV1(counter_id=f"c-{value}", value=value))
+                await uow.commit()
+        bus = container.bus()
+        await bus.start()
+        try:
+            await proxy.cut()
+            source = outbox_source(container, container.outbox_deliverer(), delivery_concurrency=1)
+            await source.run_cycle()
+            paused = await all_rows(container)
+            assert container.breaker().state == "open"
+            charged = [(r.retry_count, r.processed_on, r.dead_lettered_on) for r in paused]
+            assert charged == [(0, None, None)] * 3
+            assert all(r.locked_until is not None for r in paused)  # paused until the breaker may close
+            await proxy.start()  # the broker is back
+            for _ in range(100):
+                await asyncio.sleep(0.1)
+                await source.run_cycle()
+                rows = await all_rows(container)
+                if all(r.processed_on is not None for r in rows):
+                    break
+            assert [(r.retry_count, r.processed_on is not None) for r in rows] == [(0, True)] * 3
+        finally:
+            await bus.stop()
+            with contextlib.suppress(Exception):
+                await bus.delete_topology()  # type: ignore[attr-defined]
 
 
 async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(container: Container) -> None:

@@ -6,10 +6,18 @@ subscriber with ``min_idle_time`` (``XAUTOCLAIM``) takes it back once it has bee
 consumer that crashed. The group is created at ``0`` before anything publishes (FastStream would
 create it at ``$`` and skip earlier entries). Streams are never trimmed: trimming deletes pending
 entries.
+
+Reclaiming goes by idle time alone, so a stalled event loop (a CPU-starved container, a long GC
+pause) can let this process's own reclaimer take an entry its handler is still running. The
+transport keeps the entry ids in flight and drops such a copy unacknowledged: the running handler
+acks it or leaves it pending, exactly as if the copy had never come. Another process can still
+take an entry whose heartbeat stalled past the idle time; the inbox makes that second run a
+duplicate that changes nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import socket
@@ -38,6 +46,12 @@ from .base import (
     as_text,
     dead_letter_headers,
 )
+
+log = logging.getLogger(__name__)
+
+
+def as_entry_id(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
 
 
 class RedisDelivery(ReceivedMessage):
@@ -97,6 +111,7 @@ class RedisTransport(FastStreamTransport):
         self._names = names
         self.broker = RedisBroker(settings.url or "redis://localhost:6379")
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
+        self._in_flight: set[tuple[str, str, str]] = set()
 
     def _stream(self, consumer: Consumer[Any]) -> str:
         return self._names.channel(consumer.event_type.message_name)
@@ -109,17 +124,25 @@ class RedisTransport(FastStreamTransport):
         broker = self.broker
 
         async def on_message(message: RedisStreamMessage) -> None:
-            await handler(
-                RedisDelivery(
-                    message,
-                    broker,
-                    stream=stream,
-                    dlq=dlq,
-                    group=group,
-                    member=self._member,
-                    idle_seconds=idle_ms / 1000,
+            entries = {(stream, group, as_entry_id(e)) for e in message.raw_message.get("message_ids") or []}
+            if entries & self._in_flight:
+                log.info("%s: entry %s is still being handled here; copy dropped", stream, message.message_id)
+                return
+            self._in_flight |= entries
+            try:
+                await handler(
+                    RedisDelivery(
+                        message,
+                        broker,
+                        stream=stream,
+                        dlq=dlq,
+                        group=group,
+                        member=self._member,
+                        idle_seconds=idle_ms / 1000,
+                    )
                 )
-            )
+            finally:
+                self._in_flight -= entries
 
         fresh = StreamSub(stream, group=group, consumer=self._member)
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
