@@ -3,11 +3,16 @@
 Every integration event the service knows gets a channel (its broker address) and a message
 schema (from its pydantic model); every consumer gets a receive operation. A test fails when an
 integration event has no channel, so the document cannot drift from the code.
+
+The document is public (``GET /asyncapi`` needs no token), so the server entry names the broker's
+hosts and path only: user, password and query string (``?password=``, TLS file paths) of
+``MESSAGE_BUS__URL`` never leave the process.
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 from ...about import DESCRIPTION, SERVICE_NAME
 from ...settings import Settings
@@ -20,6 +25,21 @@ from .naming import EndpointNames
 
 def _key(name: str) -> str:
     return name.replace(".", "_").replace("-", "_")
+
+
+def public_server(url: str | None, protocol: str) -> dict[str, str]:
+    """The AsyncAPI server object of a broker URL, without credentials or query.
+
+    Handles ``scheme://user:pass@host:port/path?query`` and Kafka's scheme-less
+    ``user:pass@host1:9092,host2:9092`` bootstrap lists."""
+    if not url:
+        return {"host": "in-process", "protocol": protocol}
+    parts = urlsplit(url if "://" in url else f"//{url}")
+    hosts = ",".join(host.rpartition("@")[2] for host in parts.netloc.rpartition("@")[2].split(","))
+    server = {"host": hosts, "protocol": protocol}
+    if parts.path not in {"", "/"}:
+        server["pathname"] = parts.path
+    return server
 
 
 def asyncapi_document(
@@ -66,12 +86,7 @@ def asyncapi_document(
         "asyncapi": "3.0.0",
         "info": {"title": SERVICE_NAME, "version": "1.0.0", "description": DESCRIPTION},
         "defaultContentType": "application/json",
-        "servers": {
-            "default": {
-                "host": settings.message_bus.url or "in-process",
-                "protocol": settings.message_bus.transport.value,
-            }
-        },
+        "servers": {"default": public_server(settings.message_bus.url, settings.message_bus.transport.value)},
         "channels": channels,
         "operations": operations,
         "components": {"messages": messages},
