@@ -25,15 +25,27 @@ from {{ cookiecutter.package_name }}.building_blocks.context import (
 from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
     current_delivery,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
     Signer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
+    EndpointNames,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
+    NatsTransport,
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
     RedisDelivery,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.registry import (
+    MessageRegistry,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -325,3 +337,42 @@ async def test_a_copy_reclaimed_while_its_handler_runs_is_dropped(
     await asyncio.sleep(0.7)  # two more redelivery delays: nothing left to reclaim
     assert len(observer.seen) == 1
     assert await pending_entry(container) is None  # acknowledged by the handler that ran
+
+
+class InvoiceIssuedV1(IntegrationEvent, name="kit.invoice-issued.v1"):
+    invoice_id: str
+
+
+@pytest.mark.nats
+async def test_services_sharing_a_nats_namespace_keep_each_others_subjects(sqlite_url: str) -> None:
+    """Two services (or the old and new version in a rolling deploy) declare one events stream:
+    each adds its subjects, neither drops the other's, and an operator's limit survives."""
+    names = EndpointNames(f"t{uuid.uuid4().hex[:10]}")
+    bus_settings = make_settings(
+        sqlite_url, message_bus={"transport": "nats", "url": SERVICE_URLS["nats"]}
+    ).message_bus
+    transports = []
+    for event in (CounterChangedV1, InvoiceIssuedV1):
+        registry = MessageRegistry()
+        registry.register(event)
+        transports.append(NatsTransport(bus_settings, names, registry))
+    orders, billing = transports
+    for transport in transports:
+        await transport.connect()
+    js = orders.broker.config.connection_state.stream
+    stream = names.stream("events")
+    expected = sorted(names.channel(e.message_name) for e in (CounterChangedV1, InvoiceIssuedV1))
+    try:
+        await orders.declare([])
+        info = await js.stream_info(stream)
+        info.config.max_msgs = 12345  # an operator's limit
+        await js.update_stream(config=info.config)
+        await billing.declare([])
+        await orders.declare([])  # the old version restarts after the new one declared
+        info = await js.stream_info(stream)
+        assert sorted(info.config.subjects or []) == expected
+        assert info.config.max_msgs == 12345
+    finally:
+        await orders.delete_topology([])
+        for transport in transports:
+            await transport.close()

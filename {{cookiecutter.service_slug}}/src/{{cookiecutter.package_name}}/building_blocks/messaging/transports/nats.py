@@ -5,6 +5,12 @@ A failure is retried with ``nack(delay=...)`` (exponential from
 is only the safety net for crash loops. Publishes go through JetStream (``stream=``), never core
 NATS (a core publish to a subject no stream captures is silently lost), and carry
 ``Nats-Msg-Id`` so JetStream drops a duplicate publish within its dedup window.
+
+Declaring a stream only ever adds subjects. Services that share a namespace share its events
+stream, and during a rolling deploy the old and the new version both declare it: replacing the
+subject list with our own would make the other side's publishes fail until it declares again.
+The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
+because two services can merge at the same moment.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from .base import (
 )
 
 ACK_WAIT_SECONDS = 30
+DECLARE_ATTEMPTS = 5
 
 
 def _durable(name: str) -> str:
@@ -118,11 +125,29 @@ class NatsTransport(FastStreamTransport):
             )
 
     async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
+        """Create the stream, or add our subjects to it; never drop anyone else's."""
         js = self.broker.config.connection_state.stream
-        try:
-            await js.add_stream(name=name, subjects=subjects)
-        except BadRequestError:
-            await js.update_stream(name=name, subjects=subjects)
+        refusal: Exception | None = None
+        for _ in range(DECLARE_ATTEMPTS):
+            try:
+                info = await js.stream_info(name)
+            except NotFoundError:
+                try:
+                    await js.add_stream(name=name, subjects=subjects)
+                except BadRequestError as error:  # created meanwhile, or a subject taken elsewhere
+                    refusal = error
+                    continue
+                return
+            present = list(info.config.subjects or [])
+            if set(subjects) <= set(present):
+                return
+            info.config.subjects = sorted({*present, *subjects})
+            try:
+                await js.update_stream(config=info.config)
+            except BadRequestError as error:
+                refusal = error
+        msg = f"NATS stream {name} could not be given the subjects {subjects}: {refusal}"
+        raise RuntimeError(msg)
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # durable consumers are created when they start
