@@ -11,10 +11,12 @@ import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from aiokafka.errors import KafkaConnectionError
 from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
@@ -26,6 +28,9 @@ from {{ cookiecutter.package_name }}.building_blocks.context import (
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
     Signer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.kafka import (
+    KafkaDelivery,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
@@ -183,3 +188,45 @@ async def test_kafka_dead_letters_after_the_last_attempt(sqlite_url: str) -> Non
         (letter,) = container.dead_letters  # type: ignore[attr-defined]
         assert (letter["x-message-id"], letter["x-attempts"]) == (message.message_id, "3")
         assert "RuntimeError: observer fails" in letter["x-error"]
+
+
+@dataclass
+class RecordedKafkaMessage:
+    """The parts of a FastStream Kafka message a delivery touches, recording ack and nack."""
+
+    headers: dict[str, str]
+    body: bytes = b"{}"
+    raw_message: object = None
+    calls: list[str] = field(default_factory=list)
+
+    async def ack(self) -> None:
+        self.calls.append("ack")
+
+    async def nack(self) -> None:
+        self.calls.append("nack")
+
+
+class RefusingKafkaBroker:
+    async def publish(self, *args: object, **kwargs: object) -> None:
+        del args, kwargs
+        msg = "the cluster refused the copy"
+        raise KafkaConnectionError(msg)
+
+
+@pytest.mark.parametrize("step", ["retry", "dead_letter"])
+async def test_a_kafka_copy_that_cannot_be_published_is_read_again_not_committed(step: str) -> None:
+    """Kafka commits offsets: committing past a message whose retry or dead-letter copy was refused
+    would lose it. The delivery seeks back (nack) and raises instead."""
+    message = RecordedKafkaMessage(headers={"x-message-id": "m-1"})
+    delivery = KafkaDelivery(
+        message,  # type: ignore[arg-type]
+        RefusingKafkaBroker(),  # type: ignore[arg-type]
+        topic="shop.kit.counter-changed.v1",
+        retry_topic="shop.consumer.kit.retry",
+        dlq="shop.consumer.kit.dlq",
+        delay=0.1,
+    )
+    forward = delivery.retry(1) if step == "retry" else delivery.dead_letter("boom", 3)
+    with pytest.raises(KafkaConnectionError):
+        await forward
+    assert message.calls == ["nack"]

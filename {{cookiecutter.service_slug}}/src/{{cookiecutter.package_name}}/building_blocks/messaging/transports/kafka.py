@@ -6,6 +6,11 @@ republished to ``<group>.retry`` with ``x-attempt`` and ``x-not-before`` and onl
 the retry subscriber waits until ``x-not-before`` and runs the same wrapper; the last failure goes
 to ``<group>.dlq``. The ordering key is the Kafka key, so one key stays on one partition.
 
+Kafka commits offsets, not messages: once a later message of the partition is committed, an
+earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
+published (the broker is failing), the consumer seeks back to the message (``nack``) before the
+error propagates, and reads it again instead of moving past it.
+
 Tested with FastStream's TestKafkaBroker only (no Kafka server on the build machines).
 """
 
@@ -65,16 +70,20 @@ class KafkaDelivery(ReceivedMessage):
     async def attempt(self) -> int:
         return int(str(self.headers.get(ATTEMPT) or 1))
 
+    async def _forward(self, topic: str, headers: dict[str, str]) -> None:
+        """Publish the copy, then commit; if the copy is refused, seek back so it is read again."""
+        try:
+            await self._broker.publish(self.body, topic, key=self._key(), headers=headers)
+        except BaseException:
+            await self._message.nack()
+            raise
+        await self._message.ack()
+
     async def retry(self, attempt: int) -> None:
         not_before = time.time() + self._delay * 2 ** (attempt - 1)
         headers = {k: v for k, v in own_headers(self.headers).items() if k not in (ATTEMPT, NOT_BEFORE)}
-        await self._broker.publish(
-            self.body,
-            self._retry_topic,
-            key=self._key(),
-            headers=headers | {ATTEMPT: str(attempt + 1), NOT_BEFORE: str(not_before)},
-        )
-        await self._message.ack()  # commit only after the retry copy is accepted
+        retry_headers = headers | {ATTEMPT: str(attempt + 1), NOT_BEFORE: str(not_before)}
+        await self._forward(self._retry_topic, retry_headers)
 
     async def dead_letter(self, error: str, attempt: int) -> None:
         headers = {
@@ -82,8 +91,7 @@ class KafkaDelivery(ReceivedMessage):
             for k, v in dead_letter_headers(self.headers, error, attempt, self._topic).items()
             if k not in (ATTEMPT, NOT_BEFORE)
         }
-        await self._broker.publish(self.body, self._dlq, key=self._key(), headers=headers)
-        await self._message.ack()
+        await self._forward(self._dlq, headers)
 
 
 class KafkaTransport(FastStreamTransport):
