@@ -78,6 +78,7 @@ class MessageBusSettings(BaseModel):
     allow_unsigned: bool = False
     max_delivery_attempts: int = Field(default=5, ge=1)
     redelivery_delay_seconds: float = Field(default=1.0, gt=0)
+    database_outage_hold_seconds: float = Field(default=60.0, ge=0)
     max_header_bytes: int = Field(default=4096, ge=256)
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
     circuit_failure_threshold: int = Field(default=5, ge=1)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.building_blocks.context import (
     capture,
@@ -55,6 +56,7 @@ from {{ cookiecutter.package_name }}.container import (
 
 from ..conftest import SERVICE_URLS, acting_as, fresh_sqlite, make_settings
 from ..kit import CounterChangedV1, install_kit, record_effect
+from ..tcp_proxy import TcpProxy, tcp_proxy
 
 pytestmark = pytest.mark.integration
 TRANSPORTS = [
@@ -109,11 +111,12 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         namespace: str | None = None,
         failures: int = 0,
         signing: dict[str, str] | None = None,
+        database_url: str | None = None,
     ) -> tuple[Container, Observer]:
         home = tmp_path / f"service-{len(running)}"
         home.mkdir()
         settings = make_settings(
-            fresh_sqlite(home, sqlite_template),
+            database_url or fresh_sqlite(home, sqlite_template),
             application={"namespace": namespace or f"t{uuid.uuid4().hex[:10]}"},
             message_bus={
                 "transport": transport,
@@ -396,3 +399,36 @@ async def test_services_sharing_a_nats_namespace_keep_each_others_subjects(sqlit
         await orders.delete_topology([])
         for transport in transports:
             await transport.close()
+
+
+@pytest.fixture
+async def postgres_line(postgres_url: str) -> AsyncIterator[tuple[TcpProxy, str]]:
+    """A cuttable line to the test's PostgreSQL database, and the URL that goes through it
+    (requested before ``start``, so it outlives the started services' shutdown)."""
+    url = make_url(postgres_url)
+    async with tcp_proxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        yield proxy, url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+
+
+@pytest.mark.redis
+@pytest.mark.postgres
+async def test_a_short_database_outage_dead_letters_nothing(
+    postgres_line: tuple[TcpProxy, str], start: Start
+) -> None:
+    """The consumer's database goes away for longer than all its redelivery attempts take: the
+    message is held (uncharged) instead of burning them, and runs once the database is back."""
+    proxy, database_url = postgres_line
+    container, observer = await start("redis", database_url=database_url)
+    registry = container.metrics().registry
+
+    def holds() -> float:
+        return registry.get_sample_value("inbox_database_outage_holds_total", {"consumer": CONSUMER}) or 0.0
+
+    await proxy.cut()
+    await container.bus().publish(envelope(21))
+    await eventually(lambda: holds() >= 3, timeout=30)  # 1.4 s held: past 3 attempts of 0.3 s
+    assert observer.seen == []
+    await proxy.start()
+    await effects_become(container, ["consumed:21"], timeout=30)
+    assert len(observer.seen) == 1
+    assert await container.bus().dead_letters(CONSUMER) == []

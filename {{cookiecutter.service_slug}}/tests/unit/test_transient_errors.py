@@ -1,4 +1,5 @@
-"""Which database errors ``uow.run`` re-runs an operation for."""
+"""Which database errors ``uow.run`` re-runs an operation for, and which ones mean the database
+is unreachable (a consumer holds its message instead of charging it an attempt)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from {{ cookiecutter.package_name }}.building_blocks.persistence.database import (
+    is_database_outage,
     is_transient,
 )
 
@@ -35,3 +37,27 @@ class DriverError(Exception):
 )
 def test_only_retryable_database_errors_are_transient(error: BaseException, transient: bool) -> None:
     assert is_transient(error) is transient
+
+
+def _caused_by(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "outage"),
+    [
+        (ConnectionRefusedError(111, "Connect call failed"), True),
+        (OperationalError("SELECT", {}, DriverError("terminating connection", "57P01")), True),
+        (OperationalError("SELECT", {}, DriverError("connection failure", "08006")), True),
+        (DBAPIError("SELECT", {}, DriverError("closed"), connection_invalidated=True), True),
+        (_caused_by(RuntimeError("handler gave up"), OSError(104, "Connection reset by peer")), True),
+        (OperationalError("UPDATE", {}, DriverError("deadlock detected", "40P01")), False),
+        (IntegrityError("INSERT", {}, DriverError("duplicate key value", "23505")), False),
+        (OSError("not a socket error, no errno"), False),
+        (ValueError("bad payload"), False),
+    ],
+)
+def test_only_an_unreachable_database_is_an_outage(error: BaseException, outage: bool) -> None:
+    """An outage holds a consumed message uncharged; anything else is the message's own failure."""
+    assert is_database_outage(error) is outage

@@ -14,6 +14,8 @@ policy (FastStream's defaults drop or loop messages differently per broker, see
 * a handler failure is retried by the broker (the transport's retry step, with a delay) until
   ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
   destination with ``x-error`` and ``x-attempts`` and acknowledged: never lost, never looping;
+* a failure because the database is unreachable is not the message's fault: the message is held
+  and run again, uncharged, for up to ``MESSAGE_BUS__DATABASE_OUTAGE_HOLD_SECONDS``;
 * a message delivered more times than the limit without a recorded failure (the process died
   while handling it) is dead-lettered by a guard at the start.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -31,6 +34,7 @@ from ...settings import MessageBusSettings, Transport
 from ..handlers import Consumer, HandlerRegistry
 from ..inbox.pipeline import ConsumePipeline
 from ..outbox.metrics import OutboxMetrics
+from ..persistence.database import is_database_outage
 from ..registry import MessageRegistry
 from .circuit import BrokerUnavailableError
 from .envelope import Envelope, RejectedMessageError, Signer
@@ -40,6 +44,8 @@ from .transports.base import BrokerTransport, DeadLetterCopy, Delivery
 log = logging.getLogger(__name__)
 CRASH_GUARD_ERROR = "attempts exhausted without a recorded failure (crash or timeout)"
 OUTAGES = (ConnectionError, TimeoutError, OSError)
+OUTAGE_FIRST_PAUSE_SECONDS = 0.2
+OUTAGE_MAX_PAUSE_SECONDS = 5.0
 
 
 def build_transport(
@@ -161,6 +167,35 @@ class FastStreamBus:
                 raise BrokerUnavailableError(msg) from error
             raise
 
+    async def _consume_through_database_outages(self, consumer: Consumer[Any], delivery: Delivery) -> None:
+        """Run the pipeline; while the database is unreachable, hold the message and run it again.
+
+        A database outage says nothing about the message: charging it an attempt would
+        dead-letter every message in flight during a failover. The message is held (kept alive
+        at the broker) with a capped backoff for up to ``DATABASE_OUTAGE_HOLD_SECONDS``; a longer
+        outage falls through to the normal, charged redelivery. Each run rolls back in full, so
+        running again is exactly a redelivery."""
+        deadline = time.monotonic() + self._settings.database_outage_hold_seconds
+        pause = OUTAGE_FIRST_PAUSE_SECONDS
+        while True:
+            try:
+                await self._pipeline.consume(consumer, delivery.headers, delivery.body)
+            except Exception as error:
+                if not is_database_outage(error) or time.monotonic() + pause > deadline:
+                    raise
+                self._metrics.inbox_outage_holds.labels(consumer.name).inc()
+                log.warning(
+                    "%s: database unreachable while handling %s; holding it %.1fs (not charged): %s",
+                    consumer.name,
+                    delivery.message_id,
+                    pause,
+                    error,
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, OUTAGE_MAX_PAUSE_SECONDS)
+            else:
+                return
+
     def _make_handler(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401
         limit = self._settings.max_delivery_attempts
 
@@ -175,7 +210,7 @@ class FastStreamBus:
                 return
             try:
                 async with keep_alive(delivery):
-                    await self._pipeline.consume(consumer, delivery.headers, delivery.body)
+                    await self._consume_through_database_outages(consumer, delivery)
             except RejectedMessageError as rejected:
                 await delivery.dead_letter(f"rejected: {rejected}", attempt)
                 log.exception("%s: message %s rejected and dead-lettered", consumer.name, delivery.message_id)

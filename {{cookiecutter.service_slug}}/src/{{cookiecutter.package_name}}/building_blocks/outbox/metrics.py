@@ -69,6 +69,12 @@ class OutboxMetrics:
         self.inbox_failures = Counter(
             "inbox_failures_total", "Handler failures (message redelivered)", ["consumer"], registry=r
         )
+        self.inbox_outage_holds = Counter(
+            "inbox_database_outage_holds_total",
+            "Consumed messages held and run again because the database was unreachable",
+            ["consumer"],
+            registry=r,
+        )
         self.inbox_rejected = Counter(
             "inbox_rejected_total",
             "Messages dead-lettered without processing (bad signature, malformed, unknown)",

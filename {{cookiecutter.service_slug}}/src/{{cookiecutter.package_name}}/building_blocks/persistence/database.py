@@ -39,6 +39,35 @@ def is_transient(error: BaseException) -> bool:
     return any(message in text_ for message in TRANSIENT_MESSAGES)
 
 
+# Connection exceptions (class 08), shutting down, cannot connect now, too many connections.
+OUTAGE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+
+
+def is_database_outage(error: BaseException) -> bool:
+    """True when the database could not be reached or dropped the connection: the operation
+    says nothing about the data and succeeds once the database is back."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DBAPIError):
+            if current.connection_invalidated:
+                return True
+            sqlstate = str(getattr(current.orig, "sqlstate", "") or "")
+            if sqlstate.startswith("08") or sqlstate in OUTAGE_SQLSTATES:
+                return True
+        elif isinstance(current, (ConnectionError, TimeoutError)) or type(current).__name__ in {
+            "ConnectionDoesNotExistError",
+            "CannotConnectNowError",
+            "ConnectionFailureError",
+        }:
+            return True
+        elif isinstance(current, OSError) and current.errno is not None:
+            return True  # connect() refused, unreachable host, reset by peer
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class Database:
     """Owns the engine; hands out sessions. Built once by the container."""
 
