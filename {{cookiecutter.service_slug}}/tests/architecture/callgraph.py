@@ -47,6 +47,20 @@ SESSION_FACTORIES = {
     "sqlalchemy.orm.session.sessionmaker": "sqlalchemy.orm.session.Session",
     "sqlalchemy.ext.asyncio.session.async_sessionmaker": "sqlalchemy.ext.asyncio.session.AsyncSession",
 }
+# dependency-injector providers that build by calling their first argument.
+BUILDING_PROVIDERS = frozenset(
+    f"dependency_injector.providers.{name}"
+    for name in (
+        "Factory",
+        "Singleton",
+        "ThreadSafeSingleton",
+        "ThreadLocalSingleton",
+        "ContextLocalSingleton",
+        "Callable",
+        "Coroutine",
+        "Resource",
+    )
+)
 ITERATOR_ORIGINS = (abc.Iterator, abc.AsyncIterator, abc.Generator, abc.AsyncGenerator)
 MISSING = object()
 
@@ -81,7 +95,15 @@ class External:
     name: str
 
 
-Value = Instance | ClassRef | ModuleRef | FunctionRef | External
+@dataclass(frozen=True)
+class Provider:
+    """A dependency-injector provider (``providers.Factory(X, ...)``) and what calling it
+    builds: a class (its constructor runs, an instance comes back) or a function."""
+
+    provides: frozenset[Value]
+
+
+Value = Instance | ClassRef | ModuleRef | FunctionRef | External | Provider
 
 
 def type_name(cls: type[Any]) -> str:
@@ -815,8 +837,12 @@ class CallGraph:
     def _call_result(self, callee: Value, call: ast.Call, scope: Scope) -> set[Value]:
         """What calling ``callee`` gives (``functools.partial(f, ...)`` gives ``f`` itself)."""
         if isinstance(callee, ClassRef):
+            if callee.type in BUILDING_PROVIDERS and call.args:
+                return {Provider(frozenset(self.infer(call.args[0], scope)))}
             partial = callee.type == "functools.partial" and call.args
             return self.infer(call.args[0], scope) if partial else {Instance(callee.type)}
+        if isinstance(callee, Provider):
+            return {v for built in callee.provides for v in self._built_by(built)}
         if isinstance(callee, FunctionRef):
             fn = self.index.functions.get(callee.key)
             return self.returns(fn) if fn is not None else set()
@@ -826,6 +852,18 @@ class CallGraph:
             if callee.name == "typing.cast" and call.args:
                 return self.annotation(call.args[0], scope)
             return _runtime_return(runtime_object(callee.name))
+        return set()
+
+    def _built_by(self, built: Value) -> set[Value]:
+        """What a provider hands out when called: an instance of its class, or what its
+        function returns."""
+        if isinstance(built, ClassRef):
+            return {Instance(built.type)}
+        if isinstance(built, FunctionRef):
+            fn = self.index.functions.get(built.key)
+            return self.returns(fn) if fn is not None else set()
+        if isinstance(built, External):
+            return _runtime_return(runtime_object(built.name))
         return set()
 
     def _call_instance(self, callee: Instance) -> set[Value]:
@@ -1055,6 +1093,8 @@ class CallGraph:
             return self._method_callees(value, "__call__")
         if isinstance(value, External):
             return [Callee(value.name)]
+        if isinstance(value, Provider):
+            return [c for built in value.provides for c in self._value_callees(built)]
         return []
 
 

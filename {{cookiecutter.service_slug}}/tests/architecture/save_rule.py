@@ -20,6 +20,10 @@ to ``depth`` calls below the handler (default 6), through (see ``callgraph``):
   of every scanned class that defines it (structurally: no base class needed);
 * ``uow.repository(Port)``, resolved through the modules' ``adapters`` map (how the service does
   dependency injection; the adapter's constructor is reachable too);
+* dependency-injector providers declared on a container class in the scanned packages
+  (``x = providers.Factory(Cls, ...)``, ``Singleton``, ``Callable``, ``Resource``...): calling
+  ``container.x()`` reaches the class's constructor or the function, and gives its instance or
+  the function's return type;
 * nested and async functions, lambdas, functions passed as values (callbacks,
   ``functools.partial``), property getters, and ``__aenter__``/``__aexit__`` of ``async with``.
 
@@ -43,7 +47,8 @@ Limits (what this rule cannot see; the runtime guard still catches commits of th
   forwarding, callables stored on objects whose type is not annotated, monkeypatching,
   ``exec``/``eval``, dynamically created classes: the callee is unknown, so the path ends (a
   ``commit``/``flush`` on an unknown receiver is still reported).
-* **Run-time DI beyond the adapters map.** A dependency-injector provider, a service locator or
+* **Run-time DI beyond what is declared.** A provider overridden at run time
+  (``container.x.override(...)``), a ``providers.Dependency``/``Selector``, a service locator or
   any object resolved at run time is seen only through its annotated type (and that type's
   implementations in the scanned packages).
 * **Code outside the scanned packages.** Libraries are not walked: a library function that
