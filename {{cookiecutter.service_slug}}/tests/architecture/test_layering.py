@@ -1,5 +1,6 @@
-"""Layering: the import-linter contracts of ``pyproject.toml``, and bounded contexts that never
-import each other.
+"""Layering: the import-linter contracts of ``pyproject.toml`` (and proof that each one can
+break), bounded contexts that never import each other, building blocks that import no context,
+and a domain that imports only what it is allowed to (an allowlist, not a denylist).
 
 The contexts are discovered the way the container discovers them (every sub-package with a
 ``module.py``, minus the framework, the entrypoints and the published contracts), so a context
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -113,3 +116,172 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
     assert cross_context_imports(package) == [
         f"billing -> shipping: {package}.billing.application -> {package}.shipping.domain"
     ]
+
+
+def building_block_imports_of_contexts(package: str) -> list[str]:
+    """Every import chain from the shared building blocks into a bounded context: the framework
+    must not know the contexts that use it (a context added later is covered too)."""
+    graph = grimp.build_graph(package, cache_dir=None)
+    found: list[str] = []
+    for context in bounded_contexts(package):
+        chains = graph.find_shortest_chains(
+            importer=f"{package}.building_blocks", imported=f"{package}.{context}", as_packages=True
+        )
+        found += [f"building_blocks -> {context}: {' -> '.join(chain)}" for chain in sorted(chains)]
+    return found
+
+
+def test_building_blocks_import_no_bounded_context() -> None:
+    violations = building_block_imports_of_contexts(PACKAGE)
+
+    assert violations == [], (
+        "building_blocks is shared by every context and must not import one; move the code into "
+        "the context, or make the building block take it as a parameter:\n" + "\n".join(violations)
+    )
+
+
+def is_domain_module(package: str, module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) >= 3 and parts[0] == package and parts[2] == "domain"
+
+
+def domain_imports_outside_the_allowlist(package: str) -> list[str]:
+    """Imports of domain modules (``<context>.domain``, ``building_blocks.domain``) that are not
+    the standard library, the domain building blocks or the context's own domain."""
+    graph = grimp.build_graph(package, include_external_packages=True, cache_dir=None)
+    allowed_shared = f"{package}.building_blocks.domain"
+    violations: list[str] = []
+    for module in sorted(m for m in graph.modules if is_domain_module(package, m)):
+        own = ".".join(module.split(".")[:3])
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            top = imported.partition(".")[0]
+            if top in sys.stdlib_module_names or top == "__future__":
+                continue
+            if any(imported == root or imported.startswith(f"{root}.") for root in (allowed_shared, own)):
+                continue
+            for detail in graph.get_import_details(importer=module, imported=imported) or [{}]:
+                violations.append(f"{module}:{detail.get('line_number', '?')} imports {imported}")
+    return violations
+
+
+def test_the_domain_imports_only_the_standard_library_and_domain_building_blocks() -> None:
+    violations = domain_imports_outside_the_allowlist(PACKAGE)
+
+    assert violations == [], (
+        "A domain module may import the standard library, building_blocks.domain and its own "
+        "context's domain only (no framework, no persistence, no other context):\n" + "\n".join(violations)
+    )
+
+
+def write_probe(root: Path, package: str, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def test_a_building_block_importing_a_context_and_a_leaky_domain_are_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = f"layering_probe_{uuid.uuid4().hex[:8]}"
+    write_probe(
+        tmp_path,
+        package,
+        {
+            "__init__.py": "",
+            "building_blocks/__init__.py": "",
+            "building_blocks/module.py": "",
+            "building_blocks/domain/__init__.py": "import dataclasses\n",
+            "building_blocks/persistence.py": "",
+            "building_blocks/registry.py": f"from {package}.billing import module\n",
+            "billing/__init__.py": "",
+            "billing/module.py": "",
+            "billing/domain.py": (
+                "from __future__ import annotations\n"
+                "import decimal\n"
+                f"from {package}.building_blocks.domain import dataclasses\n"
+                f"from {package}.building_blocks import persistence\n"
+                "import pytest\n"
+            ),
+        },
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    assert building_block_imports_of_contexts(package) == [
+        f"building_blocks -> billing: {package}.building_blocks.registry -> {package}.billing.module"
+    ]
+    assert domain_imports_outside_the_allowlist(package) == [
+        f"{package}.billing.domain:4 imports {package}.building_blocks.persistence",
+        f"{package}.billing.domain:5 imports pytest",
+    ]
+
+
+def importlinter_ini(package: str) -> str:
+    """The project's import-linter contracts, for another root package, as an ``.ini`` file."""
+    config = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    linter = config["tool"]["importlinter"]
+    lines = [
+        "[importlinter]",
+        f"root_package = {package}",
+        f"include_external_packages = {linter.get('include_external_packages', False)}",
+    ]
+    for number, contract in enumerate(linter["contracts"]):
+        lines.append(f"[importlinter:contract:{number}]")
+        for key, value in contract.items():
+            if isinstance(value, list):
+                items = "".join(f"\n    {item.replace(PACKAGE, package, 1)}" for item in value)
+                lines.append(f"{key} ={items}")
+            else:
+                lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
+    """A probe package breaks each contract once: each is reported broken, so none is vacuous
+    (a pattern that matches no module, a misspelt package)."""
+    package = f"contract_probe_{uuid.uuid4().hex[:8]}"
+    write_probe(
+        tmp_path,
+        package,
+        {
+            "__init__.py": "",
+            "container.py": "",
+            "entrypoints/__init__.py": "",
+            "contracts/__init__.py": "",
+            "settings.py": "",
+            "building_blocks/__init__.py": "",
+            "building_blocks/domain/__init__.py": "",
+            "building_blocks/persistence.py": "",
+            "building_blocks/outbox.py": "",
+            "building_blocks/inbox.py": "",
+            "building_blocks/messaging/__init__.py": "",
+            "building_blocks/messaging/inprocess.py": "",
+            "building_blocks/messaging/faststream_bus.py": "",
+            "building_blocks/messaging/transports.py": "",
+            "building_blocks/handlers.py": f"import {package}.container\n",
+            "billing/__init__.py": "",
+            "billing/domain.py": f"import {package}.building_blocks.persistence\n",
+            "billing/infrastructure.py": "",
+            "billing/application.py": f"import {package}.billing.infrastructure\n",
+        },
+    )
+    config = tmp_path / ".importlinter"
+    config.write_text(importlinter_ini(package), encoding="utf-8")
+    result = subprocess.run(
+        [*lint_imports_command(), "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    output = f"{result.stdout}\n{result.stderr}"
+    contracts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
+        "importlinter"
+    ]["contracts"]
+
+    assert result.returncode != 0, output
+    assert f"Contracts: 0 kept, {len(contracts)} broken" in output, output
+    for contract in contracts:
+        assert f"{contract['name']} BROKEN" in output, output
