@@ -32,6 +32,7 @@ REMOVALS: tuple[tuple[str, object, tuple[str, ...]], ...] = (
             f"{PACKAGE}/contracts/orders.py",
             "migrations/versions/*_example_contexts.py",
             "tests/*/test_example_*.py",
+            "tests/architecture/message_names_example.txt",
         ),
     ),
 )

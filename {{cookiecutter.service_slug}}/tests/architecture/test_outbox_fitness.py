@@ -1,10 +1,15 @@
 """Fitness rules of the outbox and the inbox, checked over the service's source.
 
-* Only the outbox processor publishes: no code outside ``building_blocks/outbox/processor.py``
-  and the transports themselves (``building_blocks/messaging/``, dead-letter copies included)
-  touches ``.publish``/``.publish_batch``, so every integration event leaves through the outbox.
+* Only the outbox processor publishes: no code outside ``building_blocks/outbox/processor.py``,
+  the buses it publishes through and the transports themselves (dead-letter copies included;
+  ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
+  only the transports import a broker client library, so every integration event leaves
+  through the outbox.
 * Every integration event has a stable, versioned, unique name, declared on the class itself
   (never inherited, never the Python qualname), and is registered so its rows can be read back.
+  The names are pinned in ``message_names*.txt`` (a golden list): a new name is added there on
+  purpose, and a listed name that is neither declared nor upcast any more (a rename, a deleted
+  class) fails, because stored rows and other services' consumers still carry it.
 * Every consumer goes through the inbox pipeline: only the transports subscribe to a broker, each
   subscription's handler is the FastStream bus's ``_make_handler`` wrapper, both buses reach
   ``ConsumePipeline.consume``, and only the pipeline calls a consumer's handler.
@@ -22,6 +27,7 @@ import ast
 import functools
 import importlib
 import re
+import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +53,9 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus im
 from {{ cookiecutter.package_name }}.building_blocks.messaging.inprocess import (
     InProcessBus,
 )
+from {{ cookiecutter.package_name }}.building_blocks.registry import (
+    MessageRegistry,
+)
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_modules,
@@ -69,7 +78,21 @@ pytestmark = pytest.mark.architecture
 PACKAGE = InProcessBus.__module__.partition(".")[0]
 PUBLISH = frozenset({"publish", "publish_batch"})
 SUBSCRIBE = frozenset({"subscriber", "subscribe"})
-MAY_PUBLISH = ("building_blocks/outbox/processor.py", "building_blocks/messaging/")
+# Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
+MAY_PUBLISH = (
+    "building_blocks/outbox/processor.py",  # the outbox processor: the one publisher
+    "building_blocks/messaging/bus.py",  # the MessageBus port declares it
+    "building_blocks/messaging/faststream_bus.py",  # the bus the processor publishes through
+    "building_blocks/messaging/inprocess.py",  # the in-process bus
+    "building_blocks/messaging/transports/",  # broker adapters, their retry and dead-letter copies
+    "building_blocks/messaging/direct.py",  # outbox off, in-process only (brokers refuse it)
+)
+# Broker client libraries: imported by the transports only, so no other module can reach a
+# broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.
+BROKER_CLIENTS = frozenset(
+    {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
+)
+MAY_IMPORT_BROKER_CLIENTS = ("building_blocks/messaging/transports/",)
 MAY_SUBSCRIBE = ("building_blocks/messaging/",)
 CALLS_CONSUMER_HANDLERS = ("building_blocks/inbox/pipeline.py",)
 
@@ -90,7 +113,7 @@ def graph() -> CallGraph:
 
 
 def relative(graph: CallGraph, path: Path) -> str:
-    root = graph.index.modules[PACKAGE].path.parent
+    root = graph.index.modules[graph.index.packages[0]].path.parent
     return path.relative_to(root).as_posix()
 
 
@@ -172,6 +195,63 @@ def test_only_the_outbox_processor_and_the_transports_publish(graph: CallGraph) 
     )
 
 
+def broker_client_imports(graph: CallGraph) -> Iterator[Site]:
+    for module in graph.index.modules.values():
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            if any(name.partition(".")[0] in BROKER_CLIENTS for name in names):
+                yield Site(relative(graph, module.path), node.lineno, ast.unparse(node)[:120])
+
+
+def test_only_the_transports_import_a_broker_client(graph: CallGraph) -> None:
+    found = outside(broker_client_imports(graph), MAY_IMPORT_BROKER_CLIENTS)
+
+    assert_none(
+        found,
+        "Only the transports import a broker client library (publish through the outbox, consume "
+        f"through a registered consumer); allowed: {MAY_IMPORT_BROKER_CLIENTS}",
+    )
+
+
+def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The publish rules are not vacuous: a probe service that publishes from its application
+    layer, by the bus and by a raw client, is reported at each line."""
+    package = f"publish_probe_{uuid.uuid4().hex[:8]}"
+    files = {
+        "__init__.py": "",
+        "building_blocks/__init__.py": "",
+        "building_blocks/messaging/__init__.py": "",
+        "building_blocks/messaging/transports/__init__.py": "import aio_pika\n",
+        "billing/__init__.py": "",
+        "billing/application.py": (
+            "import redis.asyncio\n"
+            "from faststream.rabbit import RabbitBroker\n\n\n"
+            "async def bill(bus, client):\n"
+            "    await bus.publish('billed')\n"
+            "    await client.xadd('billing', {'x': 1})\n"
+        ),
+    }
+    for name, text in files.items():
+        path = tmp_path / package / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = CallGraph(source_index((package,)))
+
+    assert outside(attribute_sites(probe, PUBLISH), MAY_PUBLISH) == ["billing/application.py:6: bus.publish"]
+    assert outside(broker_client_imports(probe), MAY_IMPORT_BROKER_CLIENTS) == [
+        "billing/application.py:1: import redis.asyncio",
+        "billing/application.py:2: from faststream.rabbit import RabbitBroker",
+    ]
+
+
 def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> None:
     publishers = {site.path for site in attribute_sites(graph, PUBLISH, called=True)}
 
@@ -213,6 +293,72 @@ def test_every_integration_event_has_a_stable_versioned_unique_name(graph: CallG
 
     assert_none(problems, "Integration events need a stable, versioned name, declared and registered")
     assert_none(duplicates, "Integration event names must be unique")
+
+
+GOLDEN_NAMES = sorted(Path(__file__).parent.glob("message_names*.txt"))
+
+
+def pinned_names() -> dict[str, str]:
+    """name -> the golden file that lists it."""
+    pinned: dict[str, str] = {}
+    for path in GOLDEN_NAMES:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name = line.strip()
+            if name and not name.startswith("#"):
+                pinned[name] = path.name
+    return pinned
+
+
+def golden_list_problems(registry: MessageRegistry, pinned: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(registered names not pinned, pinned names nothing reads any more)."""
+    unpinned = sorted(set(registry.names) - set(pinned))
+    stranded = sorted(f"{name} ({where})" for name, where in pinned.items() if not registry.is_known(name))
+    return unpinned, stranded
+
+
+def test_message_names_match_the_golden_list() -> None:
+    unpinned, stranded = golden_list_problems(build_registry(build_modules()), pinned_names())
+
+    assert GOLDEN_NAMES, "tests/architecture/message_names.txt is missing"
+    assert_none(
+        unpinned,
+        "New message names: add each to tests/architecture/message_names.txt (a name is a "
+        "durable contract once a row or a consumer carries it)",
+    )
+    assert_none(
+        stranded,
+        "Pinned names no class declares and no upcaster reads any more: stored rows and other "
+        "services' consumers still carry them. Restore the class, or add the new version with "
+        "an upcaster from the old name (docs/extending.md, versioning)",
+    )
+
+
+class ShipmentSentV2(IntegrationEvent, name="probe.shipment-sent.v2"):
+    parcel: str
+
+
+class ParcelWeighedV1(IntegrationEvent, name="probe.parcel-weighed.v1"):
+    grams: int
+
+
+def test_the_golden_list_catches_a_rename_and_a_new_name_but_not_an_upcast_version() -> None:
+    registry = MessageRegistry()
+    registry.register(ShipmentSentV2, ParcelWeighedV1)
+    pinned = {
+        "probe.shipment-sent.v1": "message_names.txt",
+        "probe.shipment-sent.v2": "message_names.txt",
+        "probe.parcel-weighed.v0": "message_names.txt",
+    }
+
+    unpinned, stranded = golden_list_problems(registry, pinned)
+    assert unpinned == ["probe.parcel-weighed.v1"]
+    assert stranded == [
+        "probe.parcel-weighed.v0 (message_names.txt)",
+        "probe.shipment-sent.v1 (message_names.txt)",
+    ]
+
+    registry.add_upcaster("probe.shipment-sent.v1", "probe.shipment-sent.v2", lambda payload: payload)
+    assert golden_list_problems(registry, pinned)[1] == ["probe.parcel-weighed.v0 (message_names.txt)"]
 
 
 # -- every consumer goes through the inbox pipeline --------------------------------------------
