@@ -18,6 +18,7 @@ from types import ModuleType
 
 from dependency_injector import containers, providers
 
+from .about import SERVICE_SLUG
 from .building_blocks.auth import TokenService
 from .building_blocks.clock import system_clock
 from .building_blocks.commands import COMMAND_TABLE, CommandDeliverer
@@ -40,8 +41,10 @@ from .building_blocks.persistence.unit_of_work_factory import UnitOfWorkFactory
 from .building_blocks.polling.source import Deliverer, SourceSettings, TableSource
 from .building_blocks.polling.wake import PostgresListener, WakeSignal
 from .building_blocks.registry import MessageRegistry
+from .building_blocks.telemetry import NoTracing, OpenTelemetryTracing, Tracing
 from .building_blocks.worker import Worker
 from .settings import Settings
+from .settings import Tracing as TracingChoice
 
 log = logging.getLogger(__name__)
 
@@ -142,12 +145,13 @@ def source_settings(settings: Settings) -> SourceSettings:
     )
 
 
-def build_sources(
+def build_sources(  # noqa: PLR0917 (the container passes providers positionally)
     settings: Settings,
     database: Database,
     metrics: OutboxMetrics,
     outbox_deliverer: OutboxDeliverer,
     command_deliverer: CommandDeliverer,
+    tracing: Tracing,
 ) -> list[TableSource]:
     """The tables this process drains: internal commands always, the outbox when enabled."""
     shared = {
@@ -156,6 +160,7 @@ def build_sources(
         "clock": system_clock,
         "instance_id": instance_id(settings),
         "metrics": metrics,
+        "tracing": tracing,
     }
     pairs: list[tuple[str, object, str, Deliverer]] = [
         ("internal_commands", COMMAND_TABLE, "command_name", command_deliverer)
@@ -166,6 +171,12 @@ def build_sources(
         TableSource(name=name, table=table, name_column=column, deliverer=deliverer, **shared)  # type: ignore[arg-type]
         for name, table, column, deliverer in pairs
     ]
+
+
+def build_tracing(settings: Settings) -> Tracing:
+    if settings.telemetry.tracing is TracingChoice.OTEL:
+        return OpenTelemetryTracing(service_name=os.environ.get("OTEL_SERVICE_NAME") or SERVICE_SLUG)
+    return NoTracing()
 
 
 def build_tokens(settings: Settings) -> TokenService:
@@ -206,6 +217,7 @@ class Container(containers.DeclarativeContainer):
     registry = providers.Singleton(build_registry, modules)
     handlers = providers.Singleton(build_handlers, modules)
     metrics = providers.Singleton(OutboxMetrics)
+    tracing = providers.Singleton(build_tracing, settings)
     wake = providers.Singleton(WakeSignal)
     database = providers.Singleton(Database, settings.provided.database)
     writer = providers.Singleton(build_writer, settings, registry, handlers, database)
@@ -236,6 +248,7 @@ class Container(containers.DeclarativeContainer):
         metrics=metrics,
         clock=clock,
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
+        tracing=tracing,
     )
     bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics)
     breaker = providers.Singleton(
@@ -251,7 +264,7 @@ class Container(containers.DeclarativeContainer):
         CommandDeliverer, registry=registry, handlers=handlers, units=units_of_work
     )
     sources = providers.Singleton(
-        build_sources, settings, database, metrics, outbox_deliverer, command_deliverer
+        build_sources, settings, database, metrics, outbox_deliverer, command_deliverer, tracing
     )
     cleaner = providers.Singleton(
         RetentionCleaner,

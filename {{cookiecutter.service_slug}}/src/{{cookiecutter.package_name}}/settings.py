@@ -176,6 +176,20 @@ class LoggingSettings(BaseModel):
     json_format: bool = False
 
 
+class Tracing(StrEnum):
+    """``none``: no spans (nothing imported); ``otel``: OpenTelemetry, exported over OTLP."""
+
+    NONE = "none"
+    OTEL = "otel"
+
+
+class TelemetrySettings(BaseModel):
+    """Tracing (metrics are always on, at ``/metrics``). The OTLP endpoint, service name and
+    sampling come from OpenTelemetry's own ``OTEL_*`` variables."""
+
+    tracing: Tracing = Tracing.NONE
+
+
 class Settings(BaseSettings):
     """The root of every setting; build one per process in the container."""
 
@@ -195,6 +209,7 @@ class Settings(BaseSettings):
     auth: AuthSettings = AuthSettings()
     api: ApiSettings = ApiSettings()
     logging: LoggingSettings = LoggingSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @property
     def is_production(self) -> bool:

@@ -5,6 +5,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from {{ cookiecutter.package_name }}.building_blocks.telemetry import (
+    NoTracing,
+    OpenTelemetryTracing,
+    SpanKind,
+)
+from {{ cookiecutter.package_name }}.container import (
+    build_tracing,
+)
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )
@@ -99,3 +107,24 @@ def test_env_example_documents_every_setting_with_its_default() -> None:
         if from_example[section][name] != value
     }
     assert differing == LOCAL_OVERRIDES
+
+
+def test_tracing_is_off_by_default_and_otel_builds_an_otlp_tracer() -> None:
+    """``none`` passes the caller's traceparent on untouched; ``otel`` builds the SDK tracer with
+    the OTLP exporter (configured by OpenTelemetry's own variables; nothing is sent here)."""
+    plain = build_tracing(settings())
+    assert isinstance(plain, NoTracing)
+    traceparent = "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+    with plain.span("x", kind=SpanKind.INTERNAL, traceparent=traceparent) as span:
+        assert span.traceparent == traceparent
+
+    otel = build_tracing(settings(telemetry={"tracing": "otel"}))
+    try:
+        assert isinstance(otel, OpenTelemetryTracing)
+        with otel.span("x", kind=SpanKind.INTERNAL, traceparent=traceparent) as span:
+            continued = span.traceparent
+        assert continued is not None
+        assert continued.startswith(f"00-{'a' * 32}-")
+        assert continued != traceparent  # a child span of its own
+    finally:
+        otel.shutdown()

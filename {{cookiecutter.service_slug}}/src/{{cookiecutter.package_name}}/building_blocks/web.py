@@ -3,7 +3,8 @@
 :class:`RequestContextMiddleware` reads ``X-Correlation-Id`` (validated, generated when absent,
 echoed on every response) and the bearer token, and sets the ambient request context for the
 request. A bad token does not fail the request by itself; endpoints that need an identity depend
-on :func:`authenticated`, which answers 401 with the reason.
+on :func:`authenticated`, which answers 401 with the reason. Each request runs in a server span
+(a no-op unless tracing is on) whose ``traceparent`` is what the outbox rows it writes carry.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .context import (
 )
 from .domain.errors import ConcurrencyError, DomainError, NotFoundError
 from .persistence.unit_of_work_factory import UnitOfWorkFactory
+from .telemetry import NoTracing, Span, SpanKind, Tracing
 
 log = logging.getLogger(__name__)
 CORRELATION_HEADER = "x-correlation-id"
@@ -38,9 +40,10 @@ _TOKEN_ERROR = "token_error"  # noqa: S105 (a state key, not a secret)
 class RequestContextMiddleware:
     """Pure ASGI middleware (works for streaming responses and keeps the contextvar scoped)."""
 
-    def __init__(self, app: ASGIApp, tokens: TokenService) -> None:
+    def __init__(self, app: ASGIApp, tokens: TokenService, tracing: Tracing | None = None) -> None:
         self.app = app
         self.tokens = tokens
+        self.tracing: Tracing = tracing or NoTracing()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -49,13 +52,30 @@ class RequestContextMiddleware:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
             correlation_id = validate_correlation_id(headers.get(CORRELATION_HEADER) or new_correlation_id())
-            traceparent = validate_traceparent(headers.get("traceparent")) or new_traceparent()
+            incoming = validate_traceparent(headers.get("traceparent"))
         except InvalidContextError as error:
             # A fresh id on the refusal still lets the caller and the logs talk about it.
             headers_out = {CORRELATION_HEADER: new_correlation_id()}
             response = JSONResponse({"detail": str(error)}, status_code=400, headers=headers_out)
             await response(scope, receive, send)
             return
+        method = str(scope.get("method", "GET"))
+        attributes = {"http.request.method": method, "url.path": str(scope.get("path", ""))}
+        with self.tracing.span(
+            f"HTTP {method}", kind=SpanKind.SERVER, traceparent=incoming, attributes=attributes
+        ) as span:
+            await self._handle(scope, receive, send, headers, correlation_id, span)
+
+    async def _handle(  # noqa: PLR0917 (one request's pieces, handed over once)
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: dict[str, str],
+        correlation_id: str,
+        span: Span,
+    ) -> None:
+        traceparent = span.traceparent or new_traceparent()
         context = RequestContext(correlation_id=correlation_id, traceparent=traceparent)
         authorization = headers.get("authorization", "")
         state = scope.setdefault("state", {})
@@ -81,6 +101,7 @@ class RequestContextMiddleware:
         async def send_with_correlation(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
+                span.set_attribute("http.response.status_code", int(message["status"]))
             await send(message)
 
         with use_context(context):

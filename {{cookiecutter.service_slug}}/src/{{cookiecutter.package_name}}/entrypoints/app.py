@@ -40,12 +40,13 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
             else:
                 await bus.stop()
             await container.database().dispose()
+            container.tracing().shutdown()
 
     app = FastAPI(title=SERVICE_NAME, description=DESCRIPTION, lifespan=lifespan)
     app.state.container = container
     app.state.units_of_work = container.units_of_work()
     app.state.outbox_admin = container.admin()
-    app.add_middleware(RequestContextMiddleware, tokens=container.tokens())
+    app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
 
     @app.get("/livez", tags=["health"])

@@ -127,6 +127,7 @@ async def _run_worker(container: Container) -> None:
     await stop.wait()
     await worker.stop()  # processors first, then consumers and the connection
     await container.database().dispose()
+    container.tracing().shutdown()
 
 
 async def _with_admin(container: Container, action: Callable[[OutboxAdministration], Awaitable[T]]) -> T:

@@ -18,6 +18,7 @@ The handler runs under the runtime guard: it must not commit; the pipeline does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Iterator, Mapping
@@ -41,6 +42,7 @@ from ..persistence.guard import handler_scope
 from ..persistence.models import InboxMessage
 from ..persistence.unit_of_work_factory import UnitOfWorkFactory
 from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
+from ..telemetry import NoTracing, SpanKind, Tracing
 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
@@ -95,8 +97,10 @@ class ConsumePipeline:
         metrics: OutboxMetrics,
         clock: Clock,
         max_header_bytes: int = 4096,
+        tracing: Tracing | None = None,
     ) -> None:
         self._max_header_bytes = max_header_bytes
+        self._tracing: Tracing = tracing or NoTracing()
         self._units = units
         self._registry = registry
         self._signer = signer
@@ -133,12 +137,22 @@ class ConsumePipeline:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
             raise
         delivery = Delivery(envelope.message_id, envelope.event_name, consumer.name)
-        with restored(envelope.context, authentication_type=MESSAGE_AUTHENTICATION), _delivering(delivery):
-            try:
-                outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
-            except Exception:
-                self._metrics.inbox_failures.labels(consumer.name).inc()
-                raise
+        attributes = {"messaging.message.id": envelope.message_id, "messaging.consumer.name": consumer.name}
+        with self._tracing.span(
+            f"consume {envelope.event_name}",
+            kind=SpanKind.CONSUMER,
+            traceparent=envelope.context.traceparent,
+            attributes=attributes,
+        ) as span:
+            # What the handler enqueues carries this span: the trace goes on to the next hop.
+            context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
+            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), _delivering(delivery):
+                try:
+                    outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
+                except Exception:
+                    self._metrics.inbox_failures.labels(consumer.name).inc()
+                    raise
+            span.set_attribute("inbox.outcome", outcome.value)
         if outcome is ConsumeOutcome.DUPLICATE:
             self._metrics.inbox_duplicates.labels(consumer.name).inc()
             log.info("%s skipped duplicate message %s", consumer.name, envelope.message_id)

@@ -22,6 +22,7 @@ shutdown timeout, and rows not reached are released untouched.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import uuid
@@ -35,9 +36,11 @@ from typing import Protocol
 import sqlalchemy as sa
 
 from ..clock import Clock
+from ..outbox.capture import INTEGRATION as INTEGRATION_KIND
 from ..outbox.metrics import OutboxMetrics
 from ..persistence.database import Database
 from ..registry import MalformedPayloadError, UnknownMessageError
+from ..telemetry import AttributeValue, NoTracing, Span, SpanKind, Tracing
 from .claim import ClaimedRow, Claimer
 from .leases import (
     MALFORMED_PAYLOAD,
@@ -100,8 +103,10 @@ class TableSource:
         instance_id: str,
         metrics: OutboxMetrics,
         rng: random.Random | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.name = name
+        self._tracing: Tracing = tracing or NoTracing()
         self.table = table
         self.settings = settings
         self._db = database
@@ -175,15 +180,29 @@ class TableSource:
         if not await self._renew(row, token):
             self._lost(row, "before dispatch")
             return False
+        kind = SpanKind.PRODUCER if row.kind == INTEGRATION_KIND else SpanKind.INTERNAL
+        attributes: dict[str, AttributeValue] = {
+            "messaging.message.id": str(row.id),
+            f"{self.name}.retry_count": row.retry_count,
+        }
+        with self._tracing.span(
+            f"{self.name} deliver {row.name}", kind=kind, traceparent=row.trace_context, attributes=attributes
+        ) as span:
+            # The delivery runs under this span: a published message carries it on.
+            return await self._deliver(dataclasses.replace(row, trace_context=span.traceparent), token, span)
+
+    async def _deliver(self, row: ClaimedRow, token: uuid.UUID, span: Span) -> bool:
         try:
             delivered = await self._deliverer.deliver(row, token)
         except LeaseLostError:
             self._lost(row, "while its handlers ran (their effects were rolled back)")
             return False
         except CircuitOpenError as open_circuit:
+            span.set_attribute("outcome", "circuit_open")
             await self._write(self._release(row, token, open_circuit.retry_at))
             return False
         except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
+            span.record_failure(error)
             await self._write(self._fail(row, token, error))
             return False
         if delivered is Delivered.NEEDS_STAMP:

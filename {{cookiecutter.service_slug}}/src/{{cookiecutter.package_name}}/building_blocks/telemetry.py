@@ -1,0 +1,197 @@
+"""Tracing: one span around each unit of delivery work, OpenTelemetry when switched on.
+
+The service already carries a W3C ``traceparent`` from the HTTP request into the outbox row, from
+the row onto the published message and from the message into what its consumer writes. With
+``TELEMETRY__TRACING=otel`` each of those hops becomes a span that continues that trace:
+
+* ``HTTP <method> <route>`` (server) around a request, child of the caller's ``traceparent``;
+* ``<source> deliver <name>`` (producer for integration events, internal otherwise) around the
+  delivery of one claimed row, outbox and internal commands alike (the shared polling core);
+* ``consume <name>`` (consumer) around one consumed message, child of the message's
+  ``traceparent``.
+
+Each span's own context is what the next hop carries, so one trace runs from the request to the
+last consumer. Spans exist only where there is work: an idle poll creates none (as it writes no
+log line), so a quiet service does not flood the tracing backend.
+
+OpenTelemetry is an optional extra (``pip install '.[otel]'``): the default ``NoTracing`` imports
+nothing and passes the incoming ``traceparent`` through unchanged. The exporter is OTLP, set up
+by OpenTelemetry's own environment variables (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_SERVICE_NAME``...). The tracer provider belongs to the container, not to the process-wide
+OpenTelemetry global, so tests and several containers in one process do not interfere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import SpanProcessor
+
+AttributeValue = str | int | float | bool
+
+
+class SpanKind(enum.Enum):
+    SERVER = "server"
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    INTERNAL = "internal"
+
+
+class Span(Protocol):
+    """What a caller may do with an open span."""
+
+    @property
+    def traceparent(self) -> str | None:
+        """The W3C ``traceparent`` of this span: what the next hop carries."""
+        ...
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        """Add one attribute (``outbox.outcome``, ``messaging.message.id``...)."""
+        ...
+
+    def record_failure(self, error: BaseException) -> None:
+        """Mark the span failed, with the exception as an event."""
+        ...
+
+
+class Tracing(Protocol):
+    """Port: opens a span that continues ``traceparent`` (or starts a trace without one)."""
+
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind,
+        traceparent: str | None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> contextlib.AbstractContextManager[Span]:
+        """A context manager around one unit of work; an exception escaping it fails the span."""
+        ...
+
+    def shutdown(self) -> None:
+        """Flush what is buffered (called once when the container closes)."""
+        ...
+
+
+class _PassThroughSpan:
+    def __init__(self, traceparent: str | None) -> None:
+        self._traceparent = traceparent
+
+    @property
+    def traceparent(self) -> str | None:
+        return self._traceparent
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        del key, value
+
+    def record_failure(self, error: BaseException) -> None:
+        del error
+
+
+class NoTracing:
+    """The default: no spans, the incoming ``traceparent`` travels on unchanged."""
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind,
+        traceparent: str | None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> Iterator[Span]:
+        del name, kind, attributes
+        yield _PassThroughSpan(traceparent)
+
+    def shutdown(self) -> None:
+        return None
+
+
+class _OpenTelemetrySpan:
+    def __init__(self, span: Any, propagator: Any) -> None:  # noqa: ANN401 (optional dependency)
+        self._span = span
+        self._propagator = propagator
+
+    @property
+    def traceparent(self) -> str | None:
+        from opentelemetry import trace  # noqa: PLC0415 (optional dependency)
+
+        carrier: dict[str, str] = {}
+        self._propagator.inject(carrier, context=trace.set_span_in_context(self._span))
+        return carrier.get("traceparent")
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        self._span.set_attribute(key, value)
+
+    def record_failure(self, error: BaseException) -> None:
+        from opentelemetry.trace import Status, StatusCode  # noqa: PLC0415 (optional dependency)
+
+        self._span.record_exception(error)
+        self._span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+
+
+class OpenTelemetryTracing:
+    """Spans through the OpenTelemetry SDK, exported by ``processor`` (OTLP by default)."""
+
+    def __init__(self, *, service_name: str, processor: SpanProcessor | None = None) -> None:
+        try:
+            from opentelemetry.sdk.resources import Resource  # noqa: PLC0415 (optional dependency)
+            from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+            from opentelemetry.trace.propagation.tracecontext import (  # noqa: PLC0415
+                TraceContextTextMapPropagator,
+            )
+        except ImportError as missing:
+            msg = "TELEMETRY__TRACING=otel needs the otel extra: pip install '.[otel]'"
+            raise RuntimeError(msg) from missing
+        if processor is None:
+            processor = _otlp_processor()
+        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer(__name__)
+        self._propagator = TraceContextTextMapPropagator()
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind,
+        traceparent: str | None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> Iterator[Span]:
+        from opentelemetry import trace  # noqa: PLC0415 (optional dependency)
+
+        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        with self._tracer.start_as_current_span(
+            name,
+            context=parent,
+            kind=getattr(trace.SpanKind, kind.name),
+            attributes=dict(attributes or {}),
+            record_exception=False,
+            set_status_on_exception=False,
+        ) as span:
+            wrapped = _OpenTelemetrySpan(span, self._propagator)
+            try:
+                yield wrapped
+            except BaseException as error:
+                wrapped.record_failure(error)
+                raise
+
+    def shutdown(self) -> None:
+        self._provider.shutdown()
+
+
+def _otlp_processor() -> SpanProcessor:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
+            OTLPSpanExporter,
+        )
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: PLC0415
+    except ImportError as missing:
+        msg = "TELEMETRY__TRACING=otel needs the OTLP exporter: pip install '.[otel]'"
+        raise RuntimeError(msg) from missing
+    return BatchSpanProcessor(OTLPSpanExporter())
