@@ -13,9 +13,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 import pytest
+import sqlalchemy as sa
 
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
@@ -29,9 +33,10 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
+    build_container,
 )
 
-from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as
+from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as, make_settings
 from ..kit import Counter, CounterChangedV1, Counters, Created, install_kit
 from ..tcp_proxy import tcp_proxy
 from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
@@ -169,6 +174,64 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     assert (await state(container, first_id)).processed_on is not None
     lost = await state(container, second_id)
     assert (lost.lock_token, lost.processed_on) == (thief, None)
+
+
+async def test_a_lease_lost_after_delivery_is_counted_and_not_stamped(
+    container: Container, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another replica re-claimed the row while this one published it: the stamp matches
+    nothing, the row stays the new owner's (it may deliver again; consumers dedupe), and the
+    loss is a Warning and a ``outbox_lost_leases_total`` increment."""
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    thief = uuid.uuid4()
+
+    async def publish_while_another_replica_takes_over(claimed: ClaimedRow) -> Delivered:
+        await take_over(container, claimed.id, thief)
+        return Delivered.NEEDS_STAMP  # published; the stamp comes next
+
+    source = outbox_source(container, ScriptedDeliverer(publish_while_another_replica_takes_over), clock)
+    registry = container.metrics().registry
+    before = registry.get_sample_value("outbox_lost_leases_total", {"source": "outbox"}) or 0.0
+    with caplog.at_level(logging.WARNING):
+        cycle = await source.run_cycle()
+
+    assert cycle.completed == 1  # it was delivered: the loss is about the bookkeeping only
+    taken = await state(container, row_id)
+    assert (taken.lock_token, taken.processed_on, taken.retry_count) == (thief, None, 0)
+    assert registry.get_sample_value("outbox_lost_leases_total", {"source": "outbox"}) == before + 1
+    assert any("lease lost after delivery" in r.getMessage() for r in caplog.records)
+
+
+async def take_over(container: Container, row_id: uuid.UUID, token: uuid.UUID) -> None:
+    """What another replica's claim does to a row: its own token on it."""
+    async with container.database().session() as session:
+        await session.exec(  # type: ignore[call-overload]
+            OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == row_id).values(lock_token=token)
+        )
+        await session.commit()
+
+
+@pytest.mark.postgres
+async def test_a_claim_skips_rows_another_transaction_holds_instead_of_waiting(postgres_url: str) -> None:
+    """``FOR UPDATE SKIP LOCKED``: while another transaction holds two rows (a replica mid-claim),
+    a claim takes the other two at once instead of queueing behind the lock."""
+    container = build_container(make_settings(postgres_url))
+    try:
+        clock = FakeClock()
+        ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(4)])
+        source = outbox_source(container, ScriptedDeliverer(), clock)
+        async with container.database().engine.connect() as replica:
+            await replica.execute(
+                sa.select(OUTBOX_TABLE.c.id).where(OUTBOX_TABLE.c.id.in_(ids[:2])).with_for_update()
+            )
+            during = await asyncio.wait_for(source.claim(uuid.uuid4()), timeout=10)
+            await replica.rollback()
+        after = await source.claim(uuid.uuid4())
+        assert sorted(r.id for r in during) == sorted(ids[2:])
+        assert sorted(r.id for r in after) == sorted(ids[:2])  # free again once the lock is gone
+    finally:
+        await container.database().dispose()
 
 
 def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
