@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -30,6 +33,9 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work im
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+    PollingLoop,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     Delivered,
@@ -338,6 +344,39 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     assert await kit.effects() == ["follow-up"]
     (command_row,) = await fetch(container, sa.select(COMMAND_TABLE))
     assert command_row.processed_on is not None
+
+
+async def test_a_command_due_later_runs_on_time_not_one_interval_late(container: Container) -> None:
+    """``schedule(command, due_at=...)``: the commit wakes the loop, whose smart wait then sleeps
+    until the due time; the 30 s fallback interval would make it half a minute late."""
+    await install_kit(container)
+    ran_at: list[float] = []
+
+    async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
+        ran_at.append(time.monotonic())
+        await record_effect(uow, command.label)
+
+    container.handlers().on_command(RecordEffect, run_command)
+    (commands,) = [s for s in container.sources() if s.name == "internal_commands"]
+    wake = container.wake().subscribe()
+    loop = PollingLoop(commands, wake=wake, interval_seconds=30, clock=container.clock())
+    task = asyncio.create_task(loop.run())
+    try:
+        await asyncio.sleep(0.3)  # the loop is idle, waiting out its 30 s interval
+        with acting_as():
+            async with container.units_of_work()() as uow:
+                uow.schedule(RecordEffect(label="later"), due_at=container.clock()() + timedelta(seconds=1))
+                await uow.commit()
+        scheduled = time.monotonic()
+        deadline = scheduled + 10
+        while not ran_at and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a list)
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert ran_at, "the command waited for the 30 s fallback interval"
+    assert 0.8 <= ran_at[0] - scheduled < 3.0
 
 
 async def test_a_failing_internal_command_backs_off_like_the_outbox(container: Container) -> None:
