@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
     OUTBOX_TABLE,
+    notify_channel,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
+    PostgresListener,
     WakeSignal,
 )
 from {{ cookiecutter.package_name }}.container import (
@@ -31,6 +37,7 @@ from {{ cookiecutter.package_name }}.container import (
 
 from ..conftest import FakeClock, acting_as, fetch
 from ..kit import Counter, Counters, Created, install_kit
+from ..tcp_proxy import tcp_proxy
 from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
@@ -109,6 +116,101 @@ async def test_the_listener_reconnects_and_catches_up(postgres_url: str, make_co
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.postgres
+async def test_the_listener_detects_a_half_open_connection_and_comes_back(
+    postgres_url: str, make_container: Any
+) -> None:
+    """The line to PostgreSQL goes silent without closing: the keepalive ``SELECT 1`` times out,
+    the listener drops the connection, retries until the line is back, and listens again."""
+    container = make_container(database={"url": postgres_url})
+    url = make_url(postgres_url)
+    channel = notify_channel(container.settings().application.resolved_namespace)
+    wake = WakeSignal()
+    async with tcp_proxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
+        dsn = url.set(drivername="postgresql", host="127.0.0.1", port=proxy.port)
+        listener = PostgresListener(
+            dsn.render_as_string(hide_password=False),
+            channel,
+            wake,
+            keepalive_seconds=0.3,
+            query_timeout_seconds=0.5,
+            max_backoff=0.5,
+        )
+        task = asyncio.create_task(listener.run())
+        try:
+            await asyncio.wait_for(listener.connected.wait(), 10)
+            proxy.freeze()
+            await wait_until(lambda: not listener.connected.is_set())  # found out, not hanging
+            proxy.thaw()
+            await asyncio.wait_for(listener.connected.wait(), 10)
+            assert listener.connections >= 2
+            before = listener.notifications
+            async with container.database().session() as session:
+                await session.exec(sa.text(f'NOTIFY "{channel}"'))  # type: ignore[call-overload]
+                await session.commit()
+            await wait_until(lambda: listener.notifications > before)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+class DroppingConnection:
+    """An asyncpg connection that the server drops as soon as LISTEN is asked for."""
+
+    def is_closed(self) -> bool:
+        return False
+
+    def add_termination_listener(self, callback: object) -> None:
+        del callback
+
+    async def add_listener(self, channel: str, callback: object) -> None:
+        del channel, callback
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    async def close(self, timeout: float) -> None:
+        del timeout
+        raise ConnectionResetError(104, "already gone")  # closing a dead connection fails too
+
+    def terminate(self) -> None:
+        return None
+
+
+async def test_a_server_that_drops_every_connection_is_retried_at_the_backoff_pace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Connecting works, listening fails at once: the backoff still grows (a reset would only
+    follow a connection that stayed up), and a failing close does not end the listener."""
+    import asyncpg
+
+    attempts: list[float] = []
+
+    async def connect(dsn: str, timeout: float) -> DroppingConnection:
+        del dsn, timeout
+        attempts.append(time.monotonic())
+        return DroppingConnection()
+
+    monkeypatch.setattr(asyncpg, "connect", connect)
+    listener = PostgresListener("postgresql://nowhere/db", "channel", WakeSignal(), max_backoff=0.2)
+    task = asyncio.create_task(listener.run())
+    await asyncio.sleep(1.0)
+    assert not task.done()  # still trying
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+    assert 3 <= len(attempts) <= 9  # 0.05, 0.1, 0.2, 0.2...: not a tight loop
+    assert all(gap >= 0.04 for gap in gaps)
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
