@@ -420,6 +420,64 @@ async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Co
     assert (await state(container, row_id)).processed_on is not None
 
 
+async def test_shutdown_writes_and_release_share_one_deadline(container: Container) -> None:
+    """The in-flight outcome write and the release of the rest finish within one shutdown
+    timeout in all (not one each), so the worker's wait covers the whole cycle."""
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
+    source = outbox_source(
+        container, ScriptedDeliverer(), clock, delivery_concurrency=1, shutdown_timeout_seconds=1.0
+    )
+    writing = asyncio.Event()
+
+    async def stalled_stamp(*args: Any, **kwargs: Any) -> Any:
+        del args, kwargs
+        writing.set()
+        await asyncio.sleep(30)  # a database that stopped answering
+
+    async def stalled_release(*args: Any, **kwargs: Any) -> Any:
+        del args, kwargs
+        await asyncio.sleep(30)
+
+    source.leases.stamp_processed = stalled_stamp  # type: ignore[method-assign]
+    source.leases.release = stalled_release  # type: ignore[method-assign]
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(writing.wait(), 10)
+    started = time.monotonic()
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert time.monotonic() - started < 1.6  # 1 s in all, not 1 s for each of the two steps
+    assert [(await state(container, i)).processed_on for i in ids] == [None, None]
+
+
+async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container: Container) -> None:
+    """One row's outcome cannot be written (the database refused it); the cycle still waits for
+    the row delivered beside it, writes that one's stamp, and only then reports the error."""
+    clock = FakeClock()
+    slow, broken = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
+
+    async def slow_first(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == slow:
+            await asyncio.sleep(0.3)
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(slow_first), clock, delivery_concurrency=2)
+    original = source.leases.stamp_processed
+
+    async def refuses_one(connection: Any, row_ids: list[uuid.UUID], *args: Any, **kwargs: Any) -> Any:
+        if broken in row_ids:
+            msg = "the database refused the write"
+            raise ConnectionError(msg)
+        return await original(connection, row_ids, *args, **kwargs)
+
+    source.leases.stamp_processed = refuses_one  # type: ignore[method-assign]
+    with pytest.raises(ConnectionError, match="refused the write"):
+        await source.run_cycle()
+    assert (await state(container, slow)).processed_on is not None  # finished before the error
+    assert (await state(container, broken)).processed_on is None
+
+
 async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: Container) -> None:
     (row_id,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
     attempts: list[float] = []

@@ -116,6 +116,7 @@ class TableSource:
         self._metrics = metrics
         self._rng = rng or random.Random()  # noqa: S311 (jitter spaces retries; no security use)
         self._claimer = Claimer(table, name_column, batch=settings.batch_size, window=settings.claim_window)
+        self._shutdown_deadline: float | None = None
         self.leases = LeaseStore(table)
 
     # -- the cycle -------------------------------------------------------------------------
@@ -146,9 +147,12 @@ class TableSource:
             async with gate:
                 return await self._process(row, token)
 
+        self._shutdown_deadline = None
         tasks = [asyncio.ensure_future(process(row)) for row in rows]
         try:
-            outcomes = await asyncio.gather(*tasks)
+            # Every row finishes (or fails) before the cycle ends: one row's database error
+            # must not leave its batch-mates running unobserved behind the next cycle.
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         except asyncio.CancelledError:
             for task in tasks:
                 task.cancel()
@@ -156,6 +160,12 @@ class TableSource:
             # Token-guarded: rows whose outcome was already written no longer match.
             await self._release_on_shutdown(rows, token)
             raise
+        errors = [result for result in results if isinstance(result, BaseException)]
+        for extra in errors[1:]:
+            log.error("%s: another delivery of the cycle failed too", self.name, exc_info=extra)
+        if errors:
+            raise errors[0]
+        outcomes = [result is True for result in results]
         completed = sum(1 for done in outcomes if done)
         keyed_completed = any(
             done and row.ordering_key is not None for row, done in zip(rows, outcomes, strict=True)
@@ -303,13 +313,21 @@ class TableSource:
         """Write an outcome; if shutdown interrupts, finish it within the shutdown timeout."""
         await self._shielded(outcome, "outcome write", reraise=True)
 
+    def _shutdown_by(self) -> float:
+        """One deadline for the whole shutdown of a cycle (outcome writes and the release share
+        it), so the worker's wait of the shutdown timeout covers everything the cycle does."""
+        if self._shutdown_deadline is None:
+            loop = asyncio.get_running_loop()
+            self._shutdown_deadline = loop.time() + self.settings.shutdown_timeout_seconds
+        return self._shutdown_deadline
+
     async def _shielded(self, work: Awaitable[None], what: str, *, reraise: bool = False) -> None:
         task = asyncio.ensure_future(work)
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
             try:
-                async with asyncio.timeout(self.settings.shutdown_timeout_seconds):
+                async with asyncio.timeout_at(self._shutdown_by()):
                     await task
             except Exception:
                 log.exception("%s: %s did not finish during shutdown", self.name, what)
@@ -323,7 +341,7 @@ class TableSource:
         if not rows:
             return
         with suppress(Exception):
-            async with asyncio.timeout(self.settings.shutdown_timeout_seconds):
+            async with asyncio.timeout_at(self._shutdown_by()):
                 async with self._db.bookkeeping() as connection:
                     await self.leases.release(connection, [row.id for row in rows], token)
 
