@@ -1,4 +1,8 @@
-"""Admin API for the outbox under ``/admin/outbox`` (role ``outbox-admin`` required)."""
+"""Admin API for the outbox under ``/admin/outbox`` (role ``outbox-admin`` required).
+
+A replay is recorded with the caller's identity (the token's subject), never a name the request
+body could choose. An unknown id is 404, any other request an operator can fix is 400.
+"""
 
 from dataclasses import asdict
 from typing import Annotated, Any
@@ -7,7 +11,7 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from ..building_blocks.context import RequestContext
-from ..building_blocks.outbox.admin import AdminError, OutboxAdministration
+from ..building_blocks.outbox.admin import AdminError, OutboxAdministration, RowNotFoundError
 from ..building_blocks.web import require_role
 
 
@@ -27,7 +31,7 @@ def build_admin_router(admin_role: str) -> APIRouter:
         ids: list[str] = Field(min_length=1, max_length=1000)
 
     def fail(error: AdminError) -> HTTPException:
-        status = 404 if "no " in str(error) and "row has id" in str(error) else 400
+        status = 404 if isinstance(error, RowNotFoundError) else 400
         return HTTPException(status_code=status, detail=str(error))
 
     @router.get("/dead-letters")

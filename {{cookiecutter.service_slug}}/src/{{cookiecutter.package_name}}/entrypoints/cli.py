@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import signal
 import sys
@@ -169,6 +170,13 @@ def _token(args: argparse.Namespace, container: Container) -> None:
     print(container.tokens().mint(user_id=args.user, tenant_id=args.tenant, roles=roles))
 
 
+def _login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container with an unnamed uid)
+        return "unknown"
+
+
 def _asyncapi(args: argparse.Namespace, container: Container) -> None:
     from ..building_blocks.messaging.asyncapi import asyncapi_document  # noqa: PLC0415
 
@@ -182,7 +190,7 @@ def _asyncapi(args: argparse.Namespace, container: Container) -> None:
         print(document)
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {__package__.rpartition('.')[0]}", description=SERVICE_NAME
     )
@@ -211,7 +219,11 @@ def _parser() -> argparse.ArgumentParser:
     letters.add_argument("--limit", type=int, default=50)
     replay = outbox.add_parser("replay", help="return dead letters to the pending pool")
     replay.add_argument("--source", default="outbox")
-    replay.add_argument("--actor", default="cli")
+    replay.add_argument(
+        "--actor",
+        default=f"cli:{_login_name()}",
+        help="who replays, recorded with the replay (default: cli:<your login name>)",
+    )
     replay.add_argument("ids", nargs="+")
     explain = outbox.add_parser("explain", help="say why a row is or is not moving")
     explain.add_argument("--source", default="outbox")
@@ -220,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     settings = _settings()
     configure_logging(settings.logging)
     container = build_container(settings)

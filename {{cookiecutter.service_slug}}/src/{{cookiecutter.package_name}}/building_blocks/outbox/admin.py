@@ -32,6 +32,10 @@ class AdminError(ValueError):
     """A request an operator can fix (unknown source or id, bad paging)."""
 
 
+class RowNotFoundError(AdminError):
+    """The id names no row of the source (the admin API answers 404)."""
+
+
 @dataclass(frozen=True)
 class DeadLetter:
     """A dead letter as an operator sees it (never the payload)."""
@@ -167,7 +171,7 @@ class OutboxAdministration:
             unknown = [str(i) for i in wanted if i not in states]
             if unknown:
                 msg = f"no {table.name} row has id {', '.join(unknown)}"
-                raise AdminError(msg)
+                raise RowNotFoundError(msg)
             alive = [str(i) for i in wanted if states[i] is None]
             if alive:
                 msg = f"not dead-lettered (nothing to replay): {', '.join(alive)}"
@@ -230,7 +234,7 @@ class OutboxAdministration:
             row = (await session.exec(sa.select(table.table).where(c.id == wanted))).first()  # type: ignore[call-overload]
             if row is None:
                 msg = f"no {table.name} row has id {row_id}"
-                raise AdminError(msg)
+                raise RowNotFoundError(msg)
             blocker = None
             if row.ordering_key is not None and row.processed_on is None and row.dead_lettered_on is None:
                 blocker = (
