@@ -368,10 +368,15 @@ async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(containe
     async def circuit_open(_row: ClaimedRow) -> Delivered:
         raise CircuitOpenError(reopen)
 
-    await outbox_source(container, ScriptedDeliverer(circuit_open), clock).run_cycle()
+    source = outbox_source(container, ScriptedDeliverer(circuit_open), clock)
+    await source.run_cycle()
     paused = await state(container, row_id)
-    assert (paused.retry_count, paused.last_error, paused.lock_token) == (0, None, None)
+    assert (paused.retry_count, paused.lock_token) == (0, None)
     assert paused.locked_until == reopen
+    explained = await container.admin().explain("outbox", str(row_id))
+    assert explained.state == "paused", explained.detail  # not "backing off after a failure"
+    assert "no attempt charged" in explained.detail
+    assert f"circuit open until {reopen.isoformat()}" in explained.detail
 
 
 async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(container: Container) -> None:

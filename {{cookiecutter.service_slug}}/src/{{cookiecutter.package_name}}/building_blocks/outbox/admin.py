@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from ..clock import Clock
 from ..persistence.database import Database
 from ..persistence.models import DeadLetterReplay
+from ..polling.leases import PAUSED_PREFIX
 from .sources import SOURCES, SourceTable, UnknownSourceError, source_named
 
 MAX_PAGE = 500
@@ -293,6 +294,11 @@ def _diagnose(row: Any, blocker: Any, now: datetime) -> tuple[str, str]:  # noqa
         if row.lock_token is not None:
             return "leased", (
                 f"leased until {row.locked_until.isoformat()} by processor {row.locked_by or '?'}"
+            )
+        if (row.last_error or "").startswith(PAUSED_PREFIX):
+            return "paused", (
+                f"paused until {row.locked_until.isoformat()}, no attempt charged "
+                f"({row.retry_count} so far): {row.last_error.removeprefix(PAUSED_PREFIX)}"
             )
         return "backing_off", (
             f"backing off until {row.locked_until.isoformat()} after attempt {row.retry_count}: "

@@ -19,6 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 MAX_ERROR_LENGTH = 4000
+# ``last_error`` of a row released uncharged while its downstream is down (open circuit):
+# ``explain`` reports it as paused, not as backing off after a failure of its own.
+PAUSED_PREFIX = "paused, not charged: "
 RETRIES_EXHAUSTED = "retries_exhausted"
 TYPE_UNRESOLVABLE = "type_unresolvable"
 MALFORMED_PAYLOAD = "malformed_payload"

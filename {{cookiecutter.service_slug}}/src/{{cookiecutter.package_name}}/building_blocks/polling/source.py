@@ -44,6 +44,7 @@ from ..telemetry import AttributeValue, NoTracing, Span, SpanKind, Tracing
 from .claim import ClaimedRow, Claimer
 from .leases import (
     MALFORMED_PAYLOAD,
+    PAUSED_PREFIX,
     RETRIES_EXHAUSTED,
     TYPE_UNRESOLVABLE,
     LeaseLostError,
@@ -209,7 +210,7 @@ class TableSource:
             return False
         except CircuitOpenError as open_circuit:
             span.set_attribute("outcome", "circuit_open")
-            await self._write(self._release(row, token, open_circuit.retry_at))
+            await self._write(self._release(row, token, open_circuit.retry_at, paused=str(open_circuit)))
             return False
         except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
             span.record_failure(error)
@@ -241,9 +242,12 @@ class TableSource:
         self._metrics.dispatch_lag.labels(self.name).observe(max(lag, 0.0))
         self._metrics.dispatched.labels(self.name, row.kind or "command").inc()
 
-    async def _release(self, row: ClaimedRow, token: uuid.UUID, until: datetime | None) -> None:
+    async def _release(
+        self, row: ClaimedRow, token: uuid.UUID, until: datetime | None, *, paused: str | None = None
+    ) -> None:
+        error = f"{PAUSED_PREFIX}{paused}" if paused else None
         async with self._db.bookkeeping() as connection:
-            await self.leases.release(connection, [row.id], token, until=until)
+            await self.leases.release(connection, [row.id], token, until=until, error=error)
 
     def classify(self, row: ClaimedRow, error: BaseException) -> tuple[int, str | None]:
         """The new retry count and, when the row is finished with, its dead-letter reason."""
