@@ -331,3 +331,9 @@ def startup_diagnostics(container: Container) -> None:
             "No MESSAGE_BUS__SIGNING_KEYS: context headers are unsigned, so any publisher on the "
             "broker can claim any tenant or user. Set signing keys before production."
         )
+    elif bus.is_broker and bus.allow_unsigned:
+        log.warning(
+            "MESSAGE_BUS__ALLOW_UNSIGNED=true: messages are signed, but unsigned ones are accepted "
+            "too, so any publisher on the broker can still claim any tenant or user. Turn it off "
+            "once every producer signs."
+        )

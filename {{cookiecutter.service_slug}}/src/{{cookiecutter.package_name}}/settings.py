@@ -38,6 +38,9 @@ class Transport(StrEnum):
 
 
 DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (refused in production)
+# The signing key .env.example ships with, and the shortest key production accepts.
+EXAMPLE_SIGNING_SECRET = "change-me-local-signing-key"  # noqa: S105 (refused in production)
+MIN_PRODUCTION_KEY_LENGTH = 16
 
 
 class ApplicationSettings(BaseModel):
@@ -235,6 +238,18 @@ class Settings(BaseSettings):
                 msg = (
                     "MESSAGE_BUS__SIGNING_KEYS must be set for a broker transport in production "
                     "(or set MESSAGE_BUS__ALLOW_UNSIGNED=true to accept unsigned context headers)"
+                )
+                raise ValueError(msg)
+            weak = sorted(
+                kid
+                for kid, secret in bus.signing_keys.items()
+                if secret.get_secret_value() == EXAMPLE_SIGNING_SECRET
+                or len(secret.get_secret_value()) < MIN_PRODUCTION_KEY_LENGTH
+            )
+            if weak:
+                msg = (
+                    f"MESSAGE_BUS__SIGNING_KEYS {', '.join(weak)}: the example key or shorter than "
+                    f"{MIN_PRODUCTION_KEY_LENGTH} characters is refused in production"
                 )
                 raise ValueError(msg)
         return self

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,24 @@ def test_the_inbox_off_with_a_broker_warns_once(sqlite_url: str, caplog: pytest.
     with caplog.at_level(logging.WARNING):
         startup_diagnostics(build_container(settings))
     assert caplog.text.count("MESSAGE_BUS__ENABLE_INBOX=false") == 1
+
+
+@pytest.mark.parametrize(
+    ("bus", "warning"),
+    [
+        ({"signing_keys": {}, "signing_key_id": ""}, "No MESSAGE_BUS__SIGNING_KEYS"),
+        ({"allow_unsigned": True}, "MESSAGE_BUS__ALLOW_UNSIGNED=true"),
+        ({}, None),
+    ],
+)
+def test_accepting_unsigned_messages_on_a_broker_warns(
+    sqlite_url: str, caplog: pytest.LogCaptureFixture, bus: dict[str, Any], warning: str | None
+) -> None:
+    settings = make_settings(sqlite_url, message_bus={"transport": "redis", **bus})
+    with caplog.at_level(logging.WARNING):
+        startup_diagnostics(build_container(settings))
+    unsigned = [r.getMessage() for r in caplog.records if "unsigned" in r.getMessage()]
+    assert [warning in message for message in unsigned] == ([] if warning is None else [True])
 
 
 def test_a_composition_root_that_bypasses_the_outbox_is_reported(

@@ -60,6 +60,22 @@ def test_production_refuses_the_dev_secret_and_unsigned_brokers() -> None:
     assert allowed.message_bus.allow_unsigned
 
 
+@pytest.mark.parametrize("secret", ["change-me-local-signing-key", "short-secret"])
+def test_production_refuses_the_example_or_a_short_signing_key(secret: str) -> None:
+    with pytest.raises(ValidationError, match=r"SIGNING_KEYS old: the example key or shorter than 16"):
+        settings(
+            environment="production",
+            auth={"jwt_secret": "s" * 40},
+            message_bus={"transport": "nats", "signing_keys": f"new:{'n' * 32},old:{secret}"},
+        )
+    strong = settings(
+        environment="production",
+        auth={"jwt_secret": "s" * 40},
+        message_bus={"transport": "nats", "signing_keys": f"new:{'n' * 32}"},
+    )
+    assert list(strong.message_bus.signing_keys) == ["new"]
+
+
 def test_signing_keys_parse_from_the_environment_form() -> None:
     parsed = settings(message_bus={"signing_keys": "k1:one,k2:two", "signing_key_id": "k2"}).message_bus
     assert {k: v.get_secret_value() for k, v in parsed.signing_keys.items()} == {"k1": "one", "k2": "two"}
