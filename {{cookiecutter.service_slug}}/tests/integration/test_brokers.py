@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,6 +40,9 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
     NatsTransport,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.rabbit import (
+    TopologyMismatchError,
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
     RedisDelivery,
@@ -301,6 +305,41 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     )
 
     assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
+
+
+@pytest.mark.rabbitmq
+async def test_a_changed_retry_delay_is_a_clear_start_up_error_on_rabbitmq(
+    start: Start, sqlite_url: str
+) -> None:
+    """The retry queue was declared with a 0.3 s TTL; a deploy with another delay gets one line
+    naming the queue, the setting and the way out, not a bare PRECONDITION_FAILED."""
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    await start("rabbitmq", namespace=namespace)
+    settings = make_settings(
+        sqlite_url,
+        application={"namespace": namespace},
+        message_bus={
+            "transport": "rabbitmq",
+            "url": SERVICE_URLS["rabbitmq"],
+            "redelivery_delay_seconds": 0.5,
+        },
+    )
+    redeployed = build_container(settings)
+    await install_kit(redeployed)
+    redeployed.handlers().consume(CONSUMER, CounterChangedV1, Observer())
+    bus = redeployed.bus()
+    try:
+        with pytest.raises(TopologyMismatchError) as refused:
+            await bus.start()
+    finally:
+        await bus.stop()
+        await redeployed.database().dispose()
+    message = str(refused.value)
+    assert re.search(
+        rf"queue {namespace}\.consumer\.[\w.-]+\.retry already exists with other arguments", message
+    )
+    assert "MESSAGE_BUS__REDELIVERY_DELAY_SECONDS (500 ms now)" in message
+    assert "--if-empty" in message
 
 
 async def pending_entry(container: Container) -> dict[str, Any] | None:

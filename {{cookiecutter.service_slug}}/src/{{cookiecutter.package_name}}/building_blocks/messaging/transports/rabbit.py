@@ -6,6 +6,11 @@ quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
 failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
 ``x-delivery-count``, which a quorum queue adds after a crash). Publishes are persistent,
 confirmed and mandatory on a channel that raises on return: an unroutable message is a failure.
+
+RabbitMQ refuses to redeclare a queue with other arguments (``PRECONDITION_FAILED``), and the
+retry queue's TTL is a setting: changing ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS`` after the
+first deploy would stop the service at start-up with a bare channel error. The declaration turns
+that into one line naming the queue, the setting and the safe way out.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed
+from aiormq.exceptions import (
+    AMQPConnectionError,
+    ChannelInvalidStateError,
+    ChannelPreconditionFailed,
+    ConnectionClosed,
+)
 from faststream import AckPolicy
 from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
 from faststream.rabbit.annotations import RabbitMessage
@@ -33,6 +43,10 @@ from .base import (
     as_text,
     dead_letter_headers,
 )
+
+
+class TopologyMismatchError(RuntimeError):
+    """A queue exists on the broker with arguments other than the ones the settings give."""
 
 
 class RabbitDelivery(ReceivedMessage):
@@ -113,9 +127,24 @@ class RabbitTransport(FastStreamTransport):
         for consumer in consumers:
             main, retry, dlq = self._queues(consumer)
             for queue in (retry, dlq):
-                await self.broker.declare_queue(queue)
-            declared = await self.broker.declare_queue(main)
+                await self._declare_queue(queue)
+            declared = await self._declare_queue(main)
             await declared.bind(exchange, routing_key=main.routing_key)
+
+    async def _declare_queue(self, queue: RabbitQueue) -> Any:  # noqa: ANN401 (aio-pika's queue)
+        try:
+            return await self.broker.declare_queue(queue)
+        except ChannelPreconditionFailed as error:
+            delay_ms = int(self._settings.redelivery_delay_seconds * 1000)
+            hint = (
+                f" Its x-message-ttl is MESSAGE_BUS__REDELIVERY_DELAY_SECONDS ({delay_ms} ms now): set "
+                "the delay back to the value it was declared with, or let the queue empty and "
+                f"delete it (rabbitmqctl delete_queue {queue.name} --if-empty) so it is declared anew."
+                if queue.name.endswith(".retry")
+                else " Delete or migrate it (its messages first) before changing how it is declared."
+            )
+            msg = f"RabbitMQ queue {queue.name} already exists with other arguments ({error}).{hint}"
+            raise TopologyMismatchError(msg) from error
 
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         for consumer in consumers:
