@@ -88,6 +88,7 @@ class Observer:
                 "user": context.user_id,
                 "roles": context.roles,
                 "correlation": context.correlation_id,
+                "traceparent": context.traceparent,
                 "authentication": context.authentication_type,
                 "value": event.value,
             }
@@ -192,6 +193,7 @@ async def test_the_senders_context_travels_across_the_broker(start: Start, trans
         "c-42",
     )
     assert seen["authentication"] == "message"
+    assert seen["traceparent"] == f"00-{'a' * 32}-{'b' * 16}-01"  # the writer's trace, carried on
     await effects_become(container, ["consumed:1"])
     rows = await container.admin().count_pending("outbox")
     assert rows[0].pending == 0
@@ -281,6 +283,26 @@ async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_oversized_header_is_dead_lettered_unprocessed(start: Start, transport: str) -> None:
+    """Correctly signed, but one context header is beyond its limit: never restored, never
+    handled, dead-lettered with the reason (a flood of roles cannot reach the handler)."""
+    container, observer = await start(transport)
+    message = envelope(668)
+    headers = message.headers() | {"x-user-roles": ",".join(f"role-{i}" for i in range(2000))}
+    signed = container.signer().sign(headers, message.body)
+    await container.bus().transport.publish(message, signed)  # type: ignore[attr-defined]
+    letters: list[Any] = []
+    deadline = time.monotonic() + 15
+    while not letters and time.monotonic() < deadline:
+        letters = await container.bus().dead_letters(CONSUMER)
+        await asyncio.sleep(0.2)
+    assert observer.seen == []
+    assert [letter.headers["x-message-id"] for letter in letters] == [message.message_id]
+    assert "oversized_header" in letters[0].error
+    assert "x-user-roles is longer than" in letters[0].error
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(
     start: Start, transport: str
 ) -> None:
@@ -305,6 +327,40 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     )
 
     assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
+
+
+@pytest.mark.rabbitmq
+async def test_rabbitmq_publishes_are_persistent_with_the_message_id(sqlite_url: str) -> None:
+    """What reaches the quorum queue is a persistent message (delivery mode 2: it survives a
+    broker restart) with the outbox row id as its AMQP message id; read raw with aio-pika."""
+    import aio_pika
+
+    settings = make_settings(
+        sqlite_url,
+        application={"namespace": f"t{uuid.uuid4().hex[:10]}"},
+        message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]},
+    )
+    container = build_container(settings)
+    await install_kit(container)
+    container.handlers().consume(CONSUMER, CounterChangedV1, Observer())
+    bus = container.bus()
+    await bus.start()  # declares the topology; nothing consumes
+    message = envelope(31)
+    try:
+        await bus.publish(message)
+        connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(bus.names.queue(CONSUMER), ensure=False)  # type: ignore[attr-defined]
+            received = await queue.get(timeout=5)
+            await received.ack()
+        assert received.delivery_mode is aio_pika.DeliveryMode.PERSISTENT
+        assert received.message_id == message.message_id
+        assert received.headers["x-message-id"] == message.message_id
+    finally:
+        await bus.stop()
+        await bus.delete_topology()  # type: ignore[attr-defined]
+        await container.database().dispose()
 
 
 @pytest.mark.rabbitmq
