@@ -249,6 +249,10 @@ async def test_a_failing_handler_is_redelivered_then_dead_lettered(start: Start,
     assert "RuntimeError: observer failure" in letters[0].error
     assert letters[0].headers["x-attempts"] == "3"
     assert await effects_of(container) == []
+    counted = container.metrics().registry.get_sample_value(
+        "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "handler_failed"}
+    )
+    assert counted == 1.0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -300,6 +304,10 @@ async def test_an_oversized_header_is_dead_lettered_unprocessed(start: Start, tr
     assert [letter.headers["x-message-id"] for letter in letters] == [message.message_id]
     assert "oversized_header" in letters[0].error
     assert "x-user-roles is longer than" in letters[0].error
+    counted = container.metrics().registry.get_sample_value(
+        "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "oversized_header"}
+    )
+    assert counted == 1.0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -204,6 +204,7 @@ class FastStreamBus:
             if attempt > limit:
                 await delivery.dead_letter(CRASH_GUARD_ERROR, attempt)
                 self._metrics.inbox_rejected.labels(consumer.name, "attempts_exhausted").inc()
+                self._metrics.inbox_dead_letters.labels(consumer.name, "crash_guard").inc()
                 log.error(
                     "%s: message %s dead-lettered: %s", consumer.name, delivery.message_id, CRASH_GUARD_ERROR
                 )
@@ -213,12 +214,14 @@ class FastStreamBus:
                     await self._consume_through_database_outages(consumer, delivery)
             except RejectedMessageError as rejected:
                 await delivery.dead_letter(f"rejected: {rejected}", attempt)
+                self._metrics.inbox_dead_letters.labels(consumer.name, rejected.reason).inc()
                 log.exception("%s: message %s rejected and dead-lettered", consumer.name, delivery.message_id)
                 return
             except Exception as error:
                 reason = f"{type(error).__name__}: {error}"
                 if attempt >= limit:
                     await delivery.dead_letter(reason, attempt)
+                    self._metrics.inbox_dead_letters.labels(consumer.name, "handler_failed").inc()
                     log.exception(
                         "%s: message %s dead-lettered after %s attempts: %s",
                         consumer.name,

@@ -75,6 +75,12 @@ class OutboxMetrics:
             ["consumer"],
             registry=r,
         )
+        self.inbox_dead_letters = Counter(
+            "inbox_dead_letters_total",
+            "Consumed messages moved to the consumer's dead-letter destination",
+            ["consumer", "reason"],
+            registry=r,
+        )
         self.inbox_rejected = Counter(
             "inbox_rejected_total",
             "Messages dead-lettered without processing (bad signature, malformed, unknown)",
