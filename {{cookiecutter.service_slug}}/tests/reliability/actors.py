@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from datetime import UTC, datetime
+from pathlib import Path
 
 import sqlalchemy as sa
 
@@ -141,9 +142,20 @@ async def consumer(args: argparse.Namespace) -> None:
     container = build_container(make_settings(args.db, application={"namespace": args.namespace}))
     await install_kit(container, create_tables=False)
 
+    barrier = Path(args.barrier)
+
     async def slow_handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        # A real barrier: both processes are inside the handler (both passed the inbox
+        # pre-check) before either writes or commits, so the loser must meet the primary key.
+        (barrier / args.name).touch()
+        deadline = time.monotonic() + 30
+        while len(list(barrier.iterdir())) < 2:  # noqa: ASYNC240 (two tiny files, polled)
+            if time.monotonic() > deadline:
+                msg = "the other consumer never entered its handler"
+                raise RuntimeError(msg)
+            await asyncio.sleep(0.02)
+        print("entered", flush=True)
         await record_effect(uow, f"consumed-by-{args.name}")
-        await asyncio.sleep(1.0)  # both processes are inside the handler before either commits
 
     container.handlers().consume("kit.racer", CounterChangedV1, slow_handler)
     (racer,) = [c for c in container.handlers().consumers if c.name == "kit.racer"]
@@ -174,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--until-empty", action="store_true")
     parser.add_argument("--message-id", default="")
     parser.add_argument("--start-at", default="0")
+    parser.add_argument("--barrier", default=".")
     args = parser.parse_args(argv)
     asyncio.run(processor(args) if args.role == "processor" else consumer(args))
 

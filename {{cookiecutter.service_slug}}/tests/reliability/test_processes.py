@@ -194,16 +194,25 @@ async def test_notify_wakes_another_processs_processor(container: Container) -> 
     assert delivery.delivered_at - committed_at < 3.0, "the processor waited for its 60 s interval"
 
 
-async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(container: Container) -> None:
+async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
+    container: Container, tmp_path: Path
+) -> None:
+    """Both processes pass the inbox pre-check and are inside the handler at once (a file
+    barrier proves it); the primary key at commit lets exactly one effect through."""
     await install_kit(container)
     url = container.settings().database.url
     message_id, start_at = str(uuid.uuid4()), f"{time.time() + 2.0}"
     racers = [
-        start("consumer", url, "--name", name, "--message-id", message_id, "--start-at", start_at)
+        start(
+            "consumer",
+            url,
+            *("--name", name, "--message-id", message_id, "--start-at", start_at),
+            *("--barrier", str(tmp_path)),
+        )
         for name in ("c1", "c2")
     ]
-    outcomes = sorted(finish(racer).strip() for racer in racers)
-    assert outcomes == ["consumed", "duplicate"]
+    printed = sorted(finish(racer).split() for racer in racers)
+    assert printed == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
     effects = await fetch(container, sa.select(EFFECTS.c.label))
     assert len(effects) == 1
     inbox = await fetch(container, sa.text("SELECT message_id FROM inbox_messages"))
