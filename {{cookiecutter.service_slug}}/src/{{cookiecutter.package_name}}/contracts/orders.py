@@ -1,4 +1,11 @@
-"""Integration events published by the orders context."""
+"""Integration events published by the orders context (consumed by ``notifications``).
+
+Both are ``ordered=True`` with the order id as the key: the outbox publishes an order's events
+one after the other, the next only once the broker confirmed the previous one. That is an order
+of *publishing*. A consumer sees them in that order while nothing is redelivered; a retried
+placement can arrive after its cancel (RabbitMQ's retry queue, Redis's reclaimer, NATS's delayed
+nack), so a consumer that cares compares what it has instead of trusting arrival order.
+"""
 
 from pydantic import Field
 
@@ -6,7 +13,7 @@ from ..building_blocks.messages import IntegrationEvent
 
 
 class OrderPlacedV1(IntegrationEvent, name="orders.order-placed.v1", ordered=True):
-    """An order was placed. Ordered by order id, so it reaches consumers before its cancel."""
+    """An order was placed (published before any later event of the same order)."""
 
     order_id: str
     customer_id: str
