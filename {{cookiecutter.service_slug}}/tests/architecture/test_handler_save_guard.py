@@ -3,8 +3,9 @@
 The static rule (``test_handlers_do_not_save``) proves it before the code runs; this proves the
 unit of work refuses it when it does run, on each dispatch path: a domain event delivered after
 commit, an internal command run by its processor, an integration event through the consume
-pipeline. A real SQLite file migrated by the service's migrations; a test-only aggregate, events
-and handlers registered on the container, so the proof does not depend on the example contexts.
+pipeline; and below the ORM, a Core transaction on the service's engine. A real SQLite file
+migrated by the service's migrations; a test-only aggregate, events and handlers registered on
+the container, so the proof does not depend on the example contexts.
 
 What is observable: the dispatcher does not let the error escape the commit that raised the event
 (the business write stands); it logs it and releases the outbox row's lease with ``last_error``
@@ -128,6 +129,24 @@ class OpensASecondUnitOfWork:
             raise
 
 
+class WritesThroughTheEngine:
+    """Misbehaves below the ORM: a Core transaction of its own on the service's engine."""
+
+    def __init__(self, container: Container) -> None:
+        self.container = container
+        self.errors: list[Exception] = []
+
+    async def __call__(self, message: Message, _uow: UnitOfWork) -> None:
+        try:
+            async with self.container.database().engine.begin() as connection:
+                await connection.execute(
+                    OUTBOX_TABLE.update().values(last_error=f"written by {type(message).__name__}")
+                )
+        except Exception as error:
+            self.errors.append(error)
+            raise
+
+
 class OnlyEnqueues:
     """Behaves: mutates nothing itself, enqueues an integration event."""
 
@@ -234,6 +253,21 @@ async def test_a_consumer_that_commits_is_refused_and_nothing_is_consumed(
     assert handler_name(handler) in row.last_error
     inbox = InboxMessage.__table__  # type: ignore[attr-defined]
     assert await rows(service_container, inbox, consumer="architecture-tests.probe-consumer") == []
+
+
+async def test_a_handler_that_commits_a_core_transaction_is_refused_and_writes_nothing(
+    service_container: Container,
+) -> None:
+    handler = WritesThroughTheEngine(service_container)
+    service_container.handlers().on_domain_event(ProbeRaised, handler)
+
+    await start_probe(service_container)
+
+    assert_refused(handler.errors, handler)
+    (row,) = await rows(service_container, OUTBOX_TABLE, event_name=ProbeRaised.message_name)
+    assert row.processed_on is None
+    assert "written by" not in (row.last_error or "")  # the refused COMMIT never reached the table
+    assert handler_name(handler) in row.last_error
 
 
 async def test_a_handler_that_does_not_commit_is_delivered(service_container: Container) -> None:

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionma
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ...settings import DatabaseSettings
-from .guard import GuardedSession
+from .guard import GuardedSession, guard_engine
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class Database:
             autoflush=False,
         )
         self.bookkeeping_engine = self._create_bookkeeping_engine()
+        for engine in {self.engine, self.bookkeeping_engine}:
+            guard_engine(engine.sync_engine)
 
     @property
     def dialect(self) -> str:
