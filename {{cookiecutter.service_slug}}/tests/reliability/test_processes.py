@@ -114,6 +114,26 @@ def assert_order_per_key(delivered: list[Any]) -> None:
         assert seqs == sorted(seqs), f"key {key} was delivered out of order"
 
 
+def assert_each_key_waits_for_its_predecessors(delivered: list[Any], rows: list[Any]) -> None:
+    """Stronger than sorted first deliveries: no delivery of a keyed row (retries included)
+    starts before every earlier row of its key was finished (processed or dead-lettered), on
+    either processor. Both clocks are this machine's."""
+    by_key: dict[str, list[Any]] = defaultdict(list)
+    for row in rows:
+        if row.ordering_key is not None:
+            by_key[row.ordering_key].append(row)
+    for d in delivered:
+        if d.ordering_key is None:
+            continue
+        for earlier in by_key[d.ordering_key]:
+            if earlier.seq >= d.seq:
+                continue
+            finished = earlier.processed_on or earlier.dead_lettered_on
+            assert finished is not None, f"row {earlier.id} of key {d.ordering_key} never finished"
+            overlap = f"key {d.ordering_key}: seq {d.seq} ({d.processor}) began before seq {earlier.seq} ended"
+            assert finished.timestamp() <= d.delivered_at, overlap
+
+
 async def test_a_killed_processors_rows_are_delivered_after_its_lease(container: Container) -> None:
     await install_kit(container)
     await seed(container, [{} for _ in range(20)])
@@ -155,6 +175,8 @@ async def test_order_per_key_holds_under_two_processors_with_a_poison_head(conta
     delivered = await deliveries(container)
     assert_order_per_key(delivered)
     state = await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
+    assert_each_key_waits_for_its_predecessors(delivered, state)
+    assert {d.processor for d in delivered} == {"p1", "p2"}  # both took part
     poison = [r for r in state if r.payload.get("poison")]
     assert [(r.retry_count, r.dead_letter_reason) for r in poison] == [(3, "retries_exhausted")]
     followers = [r for r in state if r.ordering_key == "poisoned" and not r.payload.get("poison")]
