@@ -130,7 +130,7 @@ def assert_each_key_waits_for_its_predecessors(delivered: list[Any], rows: list[
                 continue
             finished = earlier.processed_on or earlier.dead_lettered_on
             assert finished is not None, f"row {earlier.id} of key {d.ordering_key} never finished"
-            overlap = f"key {d.ordering_key}: seq {d.seq} ({d.processor}) began before seq {earlier.seq} ended"
+            overlap = f"key {d.ordering_key}: seq {d.seq} ({d.processor}) began before {earlier.seq} ended"
             assert finished.timestamp() <= d.delivered_at, overlap
 
 
