@@ -103,6 +103,26 @@ async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container
     assert second.dead_letter_reason == "type_unresolvable"
 
 
+async def test_an_unresolvable_name_after_other_failures_still_gets_its_one_retry(
+    container: Container,
+) -> None:
+    """Three earlier attempts failed for another reason (the broker refused, say); the first
+    time the name does not resolve is still only the first miss."""
+    clock = FakeClock()
+    (row_id,) = await insert_rows(
+        container,
+        [row("kit.never-registered.v1", clock.now, retry_count=3, last_error="ConnectionError: refused")],
+    )
+    source = outbox_source(container, container.outbox_deliverer(), clock)
+    await source.run_cycle()
+    first = await state(container, row_id)
+    assert (first.retry_count, first.dead_lettered_on) == (4, None)
+    clock.advance(3600)
+    await source.run_cycle()
+    second = await state(container, row_id)
+    assert (second.retry_count, second.dead_letter_reason) == (5, "type_unresolvable")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RenamedV2(DomainEvent, name="kit.renamed.v2"):
     full_name: str

@@ -67,6 +67,7 @@ class ClaimedRow:
     correlation_id: str | None
     trace_context: str | None
     kind: str | None
+    last_error: str | None = None
 
 
 def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -> sa.Update:
@@ -158,6 +159,7 @@ def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -
             c.correlation_id,
             c.trace_context,
             (c.kind if "kind" in c else sa.null()).label("kind"),
+            c.last_error,
         )
     )
 

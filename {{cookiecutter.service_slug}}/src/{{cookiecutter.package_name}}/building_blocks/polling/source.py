@@ -255,8 +255,10 @@ class TableSource:
         limit = self.settings.max_retries
         if isinstance(error, UnknownMessageError | MalformedPayloadError):
             reason = TYPE_UNRESOLVABLE if isinstance(error, UnknownMessageError) else MALFORMED_PAYLOAD
-            # The first miss may be a module still loading; the second is terminal.
-            return attempt, reason if attempt >= min(2, limit) else None
+            # The first miss may be a module still loading (a rolling deploy); a second miss in a
+            # row is terminal. Earlier failures of another kind do not count as a miss.
+            missed_before = (row.last_error or "").startswith(f"{type(error).__name__}:")
+            return attempt, reason if missed_before or attempt >= limit else None
         return attempt, RETRIES_EXHAUSTED if attempt >= limit else None
 
     async def _fail(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
