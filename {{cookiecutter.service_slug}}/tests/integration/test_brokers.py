@@ -465,6 +465,35 @@ async def test_a_copy_reclaimed_while_its_handler_runs_is_dropped(
     assert await pending_entry(container) is None  # acknowledged by the handler that ran
 
 
+@pytest.mark.nats
+async def test_a_raised_attempt_limit_reaches_the_existing_nats_consumer(
+    start: Start, sqlite_url: str
+) -> None:
+    """The durable consumer was created with ``max_deliver`` 5 (3 attempts + 2); a redeploy with
+    6 attempts updates it to 8, or JetStream would give up before the wrapper dead-letters."""
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    first, _ = await start("nats", namespace=namespace)
+    events = first.bus().names.stream("events")  # type: ignore[attr-defined]
+    js = first.bus().broker.config.connection_state.stream  # type: ignore[attr-defined]
+    durable = re.sub(r"[^A-Za-z0-9_-]", "_", first.bus().names.queue(CONSUMER))  # type: ignore[attr-defined]
+    assert (await js.consumer_info(events, durable)).config.max_deliver == 5
+    settings = make_settings(
+        sqlite_url,
+        application={"namespace": namespace},
+        message_bus={"transport": "nats", "url": SERVICE_URLS["nats"], "max_delivery_attempts": 6},
+    )
+    redeployed = build_container(settings)
+    await install_kit(redeployed)
+    redeployed.handlers().consume(CONSUMER, CounterChangedV1, Observer())
+    bus = redeployed.bus()
+    try:
+        await bus.start()
+        assert (await js.consumer_info(events, durable)).config.max_deliver == 8
+    finally:
+        await bus.stop()
+        await redeployed.database().dispose()
+
+
 class InvoiceIssuedV1(IntegrationEvent, name="kit.invoice-issued.v1"):
     invoice_id: str
 

@@ -150,10 +150,34 @@ class NatsTransport(FastStreamTransport):
         raise RuntimeError(msg)
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
-        del consumers  # durable consumers are created when they start
         if self._subjects:
             await self._ensure_stream(self._events, self._subjects)
         await self._ensure_stream(self._dead_letters, [f"dlq.{self._names.queue('')}>"])
+        for consumer in consumers:
+            await self._refresh_consumer(consumer)
+
+    async def _refresh_consumer(self, consumer: Consumer[Any]) -> None:
+        """Bring an existing durable consumer to the current settings.
+
+        FastStream creates a missing durable consumer but leaves an existing one as it was, so a
+        raised ``MAX_DELIVERY_ATTEMPTS`` would keep the old ``max_deliver``: JetStream would stop
+        redelivering before the wrapper dead-letters, and the message would sit unacknowledged
+        forever. ``max_deliver`` and ``ack_wait`` are editable on a live consumer."""
+        js = self.broker.config.connection_state.stream
+        durable = _durable(self._names.queue(consumer.name))
+        try:
+            info = await js.consumer_info(self._events, durable)
+        except NotFoundError:
+            return  # created with the current settings when it starts
+        wanted = {
+            "max_deliver": self._settings.max_delivery_attempts + 2,
+            "ack_wait": float(ACK_WAIT_SECONDS),
+        }
+        current = {"max_deliver": info.config.max_deliver, "ack_wait": info.config.ack_wait}
+        if current != wanted:
+            info.config.max_deliver = wanted["max_deliver"]
+            info.config.ack_wait = wanted["ack_wait"]
+            await js.add_consumer(self._events, config=info.config)
 
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # their durable consumers go with the stream
