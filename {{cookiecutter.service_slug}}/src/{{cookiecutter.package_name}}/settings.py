@@ -86,6 +86,9 @@ class MessageBusSettings(BaseModel):
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
     circuit_failure_threshold: int = Field(default=5, ge=1)
     circuit_reset_seconds: float = Field(default=30.0, gt=0)
+    kafka_create_topics: bool = True
+    kafka_topic_partitions: int = Field(default=3, ge=1)
+    kafka_replication_factor: int = Field(default=1, ge=1)
 
     @field_validator("signing_keys", mode="before")
     @classmethod

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,15 +26,26 @@ from faststream.redis import TestRedisBroker
 from {{ cookiecutter.package_name }}.building_blocks.context import (
     capture,
 )
+from {{ cookiecutter.package_name }}.building_blocks.handlers import (
+    HandlerRegistry,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
     Signer,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
+    EndpointNames,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.kafka import (
     KafkaDelivery,
+    KafkaTopologyError,
+    KafkaTransport,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
     UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.registry import (
+    MessageRegistry,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -230,3 +242,75 @@ async def test_a_kafka_copy_that_cannot_be_published_is_read_again_not_committed
     with pytest.raises(KafkaConnectionError):
         await forward
     assert message.calls == ["nack"]
+
+
+@dataclass
+class FakeKafkaAdmin:
+    """Stands in for aiokafka's admin client: a set of topics and a scripted answer."""
+
+    existing: set[str]
+    refuse: dict[str, int] = field(default_factory=dict)
+    created: list[tuple[str, int, int]] = field(default_factory=list)
+    closed: bool = False
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        self.closed = True
+
+    async def list_topics(self) -> list[str]:
+        return sorted(self.existing)
+
+    async def create_topics(self, new_topics: list[Any]) -> Any:
+        self.created += [(t.name, t.num_partitions, t.replication_factor) for t in new_topics]
+        errors = [
+            (t.name, self.refuse.get(t.name, 0), "policy" if t.name in self.refuse else None)
+            for t in new_topics
+        ]
+        return SimpleNamespace(topic_errors=errors)
+
+
+def kafka_transport(admin: FakeKafkaAdmin, **bus: Any) -> tuple[KafkaTransport, list[Any]]:
+    settings = make_settings(
+        "sqlite+aiosqlite://",
+        application={"namespace": "shop"},
+        message_bus={"transport": "kafka", "kafka_topic_partitions": 6, "kafka_replication_factor": 3, **bus},
+    ).message_bus
+    registry = MessageRegistry()
+    registry.register(CounterChangedV1)
+    handlers = HandlerRegistry()
+
+    async def observe(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event, uow
+
+    handlers.consume("kit.observer", CounterChangedV1, observe)
+    transport = KafkaTransport(settings, EndpointNames("shop"), registry, admin=lambda _servers: admin)
+    return transport, list(handlers.consumers)
+
+
+async def test_kafka_topics_are_declared_only_where_missing() -> None:
+    admin = FakeKafkaAdmin(existing={"shop.kit.counter-changed.v1"})
+    transport, consumers = kafka_transport(admin)
+    await transport.declare(consumers)
+    assert admin.created == [
+        ("shop.consumer.kit.observer.dlq", 6, 3),
+        ("shop.consumer.kit.observer.retry", 6, 3),
+    ]
+    assert admin.closed
+
+
+async def test_a_refused_kafka_topic_is_a_clear_start_up_error() -> None:
+    admin = FakeKafkaAdmin(existing=set(), refuse={"shop.consumer.kit.observer.retry": 38})
+    transport, consumers = kafka_transport(admin)
+    refused = r"shop\.consumer\.kit\.observer\.retry \(error 38: policy\)"
+    with pytest.raises(KafkaTopologyError, match=refused):
+        await transport.declare(consumers)
+    assert admin.closed
+
+
+async def test_kafka_topics_owned_by_the_platform_are_left_alone() -> None:
+    admin = FakeKafkaAdmin(existing=set())
+    transport, consumers = kafka_transport(admin, kafka_create_topics=False)
+    await transport.declare(consumers)
+    assert admin.created == []

@@ -11,17 +11,31 @@ earlier one that was never acknowledged is gone. So when the retry or dead-lette
 published (the broker is failing), the consumer seeks back to the message (``nack``) before the
 error propagates, and reads it again instead of moving past it.
 
-Tested with FastStream's TestKafkaBroker only (no Kafka server on the build machines).
+Topics are declared at start-up like every other broker's topology: the service's published
+topics and, per consumer, its topic, ``<group>.retry`` and ``<group>.dlq``, each created only if
+missing, with ``MESSAGE_BUS__KAFKA_TOPIC_PARTITIONS`` and ``..._KAFKA_REPLICATION_FACTOR``
+(``MESSAGE_BUS__KAFKA_CREATE_TOPICS=false`` where a platform team owns topics). An existing topic
+is never altered.
+
+Tested with FastStream's TestKafkaBroker and a fake admin client only (no Kafka server on the
+build machines): the topic declaration and the retry topics have not met a real cluster here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
-from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    TopicAlreadyExistsError,
+)
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -29,6 +43,7 @@ from faststream.kafka.message import KafkaMessage as KafkaMessageType
 
 from ....settings import MessageBusSettings
 from ...handlers import Consumer
+from ...messages import IntegrationEvent
 from ...registry import MessageRegistry
 from ..envelope import Envelope
 from ..naming import EndpointNames
@@ -42,6 +57,7 @@ from .base import (
 )
 
 ATTEMPT = "x-attempt"
+TOPIC_EXISTS = int(TopicAlreadyExistsError.errno)
 NOT_BEFORE = "x-not-before"
 
 
@@ -94,15 +110,66 @@ class KafkaDelivery(ReceivedMessage):
         await self._forward(self._dlq, headers)
 
 
+class KafkaAdmin(Protocol):
+    """What the transport uses of aiokafka's admin client (a fake stands in for it in tests)."""
+
+    async def start(self) -> None:
+        """Connect to the cluster."""
+        ...
+
+    async def close(self) -> None:
+        """Disconnect."""
+        ...
+
+    async def list_topics(self) -> list[str]:
+        """Every topic of the cluster."""
+        ...
+
+    async def create_topics(self, new_topics: list[NewTopic]) -> Any:  # noqa: ANN401 (a protocol response)
+        """Ask the controller to create topics; per-topic errors come back in ``topic_errors``."""
+        ...
+
+
+class KafkaTopologyError(RuntimeError):
+    """The cluster refused to create a topic the service needs."""
+
+
+def aiokafka_admin(bootstrap_servers: str) -> KafkaAdmin:
+    admin: KafkaAdmin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    return admin
+
+
 class KafkaTransport(FastStreamTransport):
     label = "Kafka"
     broker: KafkaBroker
 
-    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
-        del registry
+    def __init__(
+        self,
+        settings: MessageBusSettings,
+        names: EndpointNames,
+        registry: MessageRegistry,
+        admin: Callable[[str], KafkaAdmin] = aiokafka_admin,
+    ) -> None:
         self._settings = settings
         self._names = names
-        self.broker = KafkaBroker(settings.url or "localhost:9092", acks="all")
+        self._registry = registry
+        self._admin = admin
+        self._bootstrap = settings.url or "localhost:9092"
+        self.broker = KafkaBroker(self._bootstrap, acks="all")
+
+    def topics(self, consumers: Sequence[Consumer[Any]]) -> list[str]:
+        """Every topic this service publishes to or reads from (retry and dead-letter included)."""
+        published = {self._names.channel(e.message_name) for e in self._registry.classes(IntegrationEvent)}
+        consumed = {
+            name
+            for c in consumers
+            for name in (
+                self._names.channel(c.event_type.message_name),
+                self._names.retry_queue(c.name),
+                self._names.dead_letters(c.name),
+            )
+        }
+        return sorted(published | consumed)
 
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
         topic = self._names.channel(consumer.event_type.message_name)
@@ -129,7 +196,38 @@ class KafkaTransport(FastStreamTransport):
             )
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
-        del consumers  # topics are created by the cluster (auto-create) or by your platform team
+        if not self._settings.kafka_create_topics:
+            return  # the platform team's topics (or the cluster's auto-create)
+        admin = self._admin(self._bootstrap)
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            missing = [topic for topic in self.topics(consumers) if topic not in existing]
+            if not missing:
+                return
+            response = await admin.create_topics(
+                [
+                    NewTopic(
+                        topic,
+                        self._settings.kafka_topic_partitions,
+                        self._settings.kafka_replication_factor,
+                    )
+                    for topic in missing
+                ]
+            )
+        finally:
+            await admin.close()
+        refused = [
+            f"{entry[0]} (error {entry[1]}{': ' + str(entry[2]) if len(entry) > 2 and entry[2] else ''})"
+            for entry in getattr(response, "topic_errors", [])
+            if entry[1] not in (0, TOPIC_EXISTS)
+        ]
+        if refused:
+            msg = (
+                f"Kafka refused to create {', '.join(refused)}; create them yourself and set "
+                "MESSAGE_BUS__KAFKA_CREATE_TOPICS=false, or fix the partitions/replication settings"
+            )
+            raise KafkaTopologyError(msg)
 
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # topics belong to the cluster's administration
