@@ -268,6 +268,15 @@ async def fetch(container: Container, statement: Any) -> list[Any]:
         return list((await session.exec(statement)).all())
 
 
+async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Wait until ``check()`` holds, polling every 20 ms; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

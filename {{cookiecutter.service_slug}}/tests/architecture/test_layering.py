@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tomllib
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import grimp
@@ -69,16 +70,21 @@ def bounded_contexts(package: str) -> list[str]:
     )
 
 
-def cross_context_imports(package: str) -> list[str]:
-    """Every shortest import chain from one bounded context to another (direct or not)."""
+def import_chains(package: str, pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """The shortest import chains (direct or not) between sub-packages, one line per chain."""
     graph = grimp.build_graph(package, cache_dir=None)
     found: list[str] = []
-    for importer, imported in itertools.permutations(bounded_contexts(package), 2):
+    for importer, imported in pairs:
         chains = graph.find_shortest_chains(
             importer=f"{package}.{importer}", imported=f"{package}.{imported}", as_packages=True
         )
         found += [f"{importer} -> {imported}: {' -> '.join(chain)}" for chain in sorted(chains)]
     return found
+
+
+def cross_context_imports(package: str) -> list[str]:
+    """Every shortest import chain from one bounded context to another (direct or not)."""
+    return import_chains(package, itertools.permutations(bounded_contexts(package), 2))
 
 
 def test_bounded_contexts_do_not_import_each_other() -> None:
@@ -121,14 +127,7 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
 def building_block_imports_of_contexts(package: str) -> list[str]:
     """Every import chain from the shared building blocks into a bounded context: the framework
     must not know the contexts that use it (a context added later is covered too)."""
-    graph = grimp.build_graph(package, cache_dir=None)
-    found: list[str] = []
-    for context in bounded_contexts(package):
-        chains = graph.find_shortest_chains(
-            importer=f"{package}.building_blocks", imported=f"{package}.{context}", as_packages=True
-        )
-        found += [f"building_blocks -> {context}: {' -> '.join(chain)}" for chain in sorted(chains)]
-    return found
+    return import_chains(package, [("building_blocks", context) for context in bounded_contexts(package)])
 
 
 def test_building_blocks_import_no_bounded_context() -> None:

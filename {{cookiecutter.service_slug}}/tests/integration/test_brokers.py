@@ -58,7 +58,7 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, acting_as, fresh_sqlite, make_settings
+from ..conftest import SERVICE_URLS, acting_as, eventually, fresh_sqlite, make_settings
 from ..kit import CounterChangedV1, install_kit, record_effect
 from ..tcp_proxy import TcpProxy, tcp_proxy
 
@@ -153,14 +153,6 @@ async def publish_through_outbox(container: Container, value: int, **context: An
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value, aggregate_id="c-1"))
             await uow.commit()
-
-
-async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.05)
 
 
 async def effects_become(container: Container, expected: list[str], timeout: float = 20.0) -> None:

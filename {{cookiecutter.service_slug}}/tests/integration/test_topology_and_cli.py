@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from {{ cookiecutter.package_name }}.container import (
     build_listener,
 )
 
-from ..conftest import FakeClock, acting_as, fetch
+from ..conftest import FakeClock, acting_as, eventually, fetch
 from ..kit import Counter, Counters, Created, install_kit
 from ..tcp_proxy import tcp_proxy
 from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
@@ -118,14 +117,6 @@ async def test_the_listener_reconnects_and_catches_up(postgres_url: str, make_co
             await task
 
 
-async def wait_until(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 @pytest.mark.postgres
 async def test_the_listener_detects_a_half_open_connection_and_comes_back(
     postgres_url: str, make_container: Any
@@ -150,7 +141,7 @@ async def test_the_listener_detects_a_half_open_connection_and_comes_back(
         try:
             await asyncio.wait_for(listener.connected.wait(), 10)
             proxy.freeze()
-            await wait_until(lambda: not listener.connected.is_set())  # found out, not hanging
+            await eventually(lambda: not listener.connected.is_set())  # found out, not hanging
             proxy.thaw()
             await asyncio.wait_for(listener.connected.wait(), 10)
             assert listener.connections >= 2
@@ -158,7 +149,7 @@ async def test_the_listener_detects_a_half_open_connection_and_comes_back(
             async with container.database().session() as session:
                 await session.exec(sa.text(f'NOTIFY "{channel}"'))  # type: ignore[call-overload]
                 await session.commit()
-            await wait_until(lambda: listener.notifications > before)
+            await eventually(lambda: listener.notifications > before)
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -50,7 +50,7 @@ from {{ cookiecutter.package_name }}.settings import (
     DatabaseSettings,
 )
 
-from ..conftest import ContainerFactory, acting_as, fetch, make_settings
+from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
 from ..kit import (
     COUNTERS,
     Counter,
@@ -399,25 +399,18 @@ async def test_a_commit_wakes_the_processor_long_before_the_fallback_interval(
     await container.worker().start()
     try:
         heartbeat = {"source": "outbox"}
-        await wait_until(lambda: registry.get_sample_value(HEARTBEAT, heartbeat) is not None)
+        await eventually(lambda: registry.get_sample_value(HEARTBEAT, heartbeat) is not None)
         with acting_as():
             async with container.units_of_work()() as uow:
                 uow.enqueue(CounterChangedV1(counter_id="c", value=7))
                 await uow.commit()
-        await wait_until(lambda: delivered == [7])
+        await eventually(lambda: delivered == [7])
     finally:
         await container.worker().stop()
         await container.bus().stop()
 
 
 HEARTBEAT = "outbox_processor_heartbeat_timestamp_seconds"
-
-
-async def wait_until(check: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_a_savepoint_release_does_not_dispatch(kit: Kit) -> None:
