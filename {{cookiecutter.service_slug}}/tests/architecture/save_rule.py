@@ -29,9 +29,10 @@ to ``depth`` calls below the handler (default 6), through (see ``callgraph``):
 
 A *sink* is a save: ``commit``/``flush``/``begin``/``begin_nested`` on a SQLAlchemy or SQLModel
 ``Session``/``AsyncSession``, ``commit``/``begin``/``begin_nested`` on a ``Connection``/
-``AsyncConnection``, ``begin`` on an ``Engine``/``AsyncEngine``, any sink the caller adds (a
-dotted name, or a ``(type, method)`` pair matched on the receiver's type and its subclasses) and,
-conservatively, ``commit``/``flush`` on a receiver whose type the analysis cannot tell (annotate
+``AsyncConnection``, ``begin`` on an ``Engine``/``AsyncEngine`` and on a session factory
+(``sessionmaker``/``async_sessionmaker``: the session it opens commits at the end of the
+block), any sink the caller adds (a dotted name, or a ``(type, method)`` pair matched on the
+receiver's type and its subclasses) and, conservatively, ``commit``/``flush`` on a receiver whose type the analysis cannot tell (annotate
 the receiver, or allowlist the call). A sink reached ends that path; the failure prints the whole
 chain handler -> ... -> sink with file:line for every hop.
 
@@ -91,6 +92,9 @@ DEFAULT_SINKS: tuple[SinkSpec, ...] = (
     *(("sqlalchemy.ext.asyncio.AsyncConnection", method) for method in CONNECTION_METHODS),
     ("sqlalchemy.engine.Engine", "begin"),
     ("sqlalchemy.ext.asyncio.AsyncEngine", "begin"),
+    # ``async with sessions.begin() as session:`` commits on leaving the block.
+    ("sqlalchemy.orm.sessionmaker", "begin"),
+    ("sqlalchemy.ext.asyncio.async_sessionmaker", "begin"),
 )
 UNTYPED_SINK_METHODS = frozenset({"commit", "flush"})
 HOW_TO_FIX = (

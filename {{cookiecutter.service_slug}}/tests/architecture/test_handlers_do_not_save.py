@@ -76,7 +76,7 @@ def test_allowlist_entries_and_sinks_name_real_code() -> None:
 
 FIXTURES = fixtures.__name__.rpartition(".")[0]
 HANDLERS = f"{FIXTURES}.handlers"
-ALL_FIXTURE_HANDLERS = 19
+ALL_FIXTURE_HANDLERS = 20
 
 # handler -> the hops after it, each a fragment of the hop's name, ending with the save.
 SAVES: dict[str, tuple[str, ...]] = {
@@ -99,6 +99,7 @@ SAVES: dict[str, tuple[str, ...]] = {
     "writes_in_its_own_session_transaction": ("AsyncSession.begin",),
     "WritesThroughTheEngine.__call__": ("AsyncEngine.begin",),
     "CommitsAConnection.__call__": ("AsyncConnection.commit",),
+    "WritesThroughASessionFactory.__call__": ("async_sessionmaker.begin",),
     "calls_a_declared_sink": ("helpers.post_to_the_ledger_api",),
     "ChargesThroughAProvider.__call__": (
         "SqlPaymentGateway.capture",

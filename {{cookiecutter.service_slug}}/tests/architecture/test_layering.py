@@ -10,8 +10,6 @@ another through any chain of modules is reported with the chain.
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import os
 import re
 import shutil
@@ -19,7 +17,6 @@ import subprocess
 import sys
 import tomllib
 import uuid
-from collections.abc import Iterable
 from pathlib import Path
 
 import grimp
@@ -29,11 +26,16 @@ from {{ cookiecutter.package_name }}.building_blocks import (
     module as context_contract,
 )
 
+from .import_contracts import (
+    bounded_contexts,
+    building_block_imports_of_contexts,
+    cross_context_imports,
+)
+
 pytestmark = pytest.mark.architecture
 
 PACKAGE = context_contract.__name__.partition(".")[0]
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
-SHARED = context_contract.NOT_CONTEXTS | {"contracts"}
 
 
 def lint_imports_command() -> list[str]:
@@ -56,39 +58,12 @@ def test_import_linter_contracts_are_kept() -> None:
     assert int(kept.group(1)) >= 3, output
 
 
-def bounded_contexts(package: str) -> list[str]:
-    """Sub-packages with a ``module.py``, except the framework, entrypoints and contracts."""
-    spec = importlib.util.find_spec(package)
-    assert spec is not None
-    assert spec.submodule_search_locations
-    roots = [Path(location) for location in spec.submodule_search_locations]
-    return sorted(
-        path.parent.name
-        for root in roots
-        for path in root.glob("*/module.py")
-        if path.parent.name not in SHARED
-    )
-
-
-def import_chains(package: str, pairs: Iterable[tuple[str, str]]) -> list[str]:
-    """The shortest import chains (direct or not) between sub-packages, one line per chain."""
-    graph = grimp.build_graph(package, cache_dir=None)
-    found: list[str] = []
-    for importer, imported in pairs:
-        chains = graph.find_shortest_chains(
-            importer=f"{package}.{importer}", imported=f"{package}.{imported}", as_packages=True
-        )
-        found += [f"{importer} -> {imported}: {' -> '.join(chain)}" for chain in sorted(chains)]
-    return found
-
-
-def cross_context_imports(package: str) -> list[str]:
-    """Every shortest import chain from one bounded context to another (direct or not)."""
-    return import_chains(package, itertools.permutations(bounded_contexts(package), 2))
+def package_graph(package: str) -> grimp.ImportGraph:
+    return grimp.build_graph(package, cache_dir=None)
 
 
 def test_bounded_contexts_do_not_import_each_other() -> None:
-    violations = cross_context_imports(PACKAGE)
+    violations = cross_context_imports(package_graph(PACKAGE), PACKAGE)
 
     assert violations == [], (
         "Bounded contexts must not import each other; share integration events through "
@@ -118,20 +93,15 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
         path.write_text(text, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert bounded_contexts(package) == ["billing", "shipping"]
-    assert cross_context_imports(package) == [
+    graph = package_graph(package)
+    assert bounded_contexts(graph, package) == ["billing", "shipping"]
+    assert cross_context_imports(graph, package) == [
         f"billing -> shipping: {package}.billing.application -> {package}.shipping.domain"
     ]
 
 
-def building_block_imports_of_contexts(package: str) -> list[str]:
-    """Every import chain from the shared building blocks into a bounded context: the framework
-    must not know the contexts that use it (a context added later is covered too)."""
-    return import_chains(package, [("building_blocks", context) for context in bounded_contexts(package)])
-
-
 def test_building_blocks_import_no_bounded_context() -> None:
-    violations = building_block_imports_of_contexts(PACKAGE)
+    violations = building_block_imports_of_contexts(package_graph(PACKAGE), PACKAGE)
 
     assert violations == [], (
         "building_blocks is shared by every context and must not import one; move the code into "
@@ -206,7 +176,7 @@ def test_a_building_block_importing_a_context_and_a_leaky_domain_are_caught(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert building_block_imports_of_contexts(package) == [
+    assert building_block_imports_of_contexts(package_graph(package), package) == [
         f"building_blocks -> billing: {package}.building_blocks.registry -> {package}.billing.module"
     ]
     assert domain_imports_outside_the_allowlist(package) == [
@@ -223,6 +193,7 @@ def importlinter_ini(package: str) -> str:
         "[importlinter]",
         f"root_package = {package}",
         f"include_external_packages = {linter.get('include_external_packages', False)}",
+        "contract_types =" + "".join(f"\n    {entry}" for entry in linter.get("contract_types", [])),
     ]
     for number, contract in enumerate(linter["contracts"]):
         lines.append(f"[importlinter:contract:{number}]")
@@ -231,7 +202,7 @@ def importlinter_ini(package: str) -> str:
                 items = "".join(f"\n    {item.replace(PACKAGE, package, 1)}" for item in value)
                 lines.append(f"{key} ={items}")
             else:
-                lines.append(f"{key} = {value}")
+                lines.append(f"{key} = {str(value).replace(PACKAGE, package, 1)}")
     return "\n".join(lines) + "\n"
 
 
@@ -258,22 +229,26 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
             "building_blocks/messaging/faststream_bus.py": "",
             "building_blocks/messaging/transports.py": "",
             "building_blocks/handlers.py": f"import {package}.container\n",
+            "building_blocks/registry.py": f"import {package}.shipping.module\n",
             "billing/__init__.py": "",
+            "billing/module.py": f"import {package}.shipping.module\n",
             "billing/domain.py": f"import {package}.building_blocks.persistence\n",
             "billing/infrastructure.py": "",
             "billing/application.py": f"import {package}.billing.infrastructure\n",
+            "shipping/__init__.py": "",
+            "shipping/module.py": "",
         },
     )
     config = tmp_path / ".importlinter"
     config.write_text(importlinter_ini(package), encoding="utf-8")
     result = subprocess.run(
-        [*lint_imports_command(), "--config", str(config)],
+        [*lint_imports_command(), str(config)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(PROJECT_ROOT)])},
     )
     output = f"{result.stdout}\n{result.stderr}"
     contracts = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"][
@@ -284,3 +259,5 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
     assert f"Contracts: 0 kept, {len(contracts)} broken" in output, output
     for contract in contracts:
         assert f"{contract['name']} BROKEN" in output, output
+    assert "billing -> shipping" in output  # the discovered contexts, with the chain
+    assert "building_blocks -> shipping" in output
