@@ -32,9 +32,10 @@ A *sink* is a save: ``commit``/``flush``/``begin``/``begin_nested`` on a SQLAlch
 ``AsyncConnection``, ``begin`` on an ``Engine``/``AsyncEngine`` and on a session factory
 (``sessionmaker``/``async_sessionmaker``: the session it opens commits at the end of the
 block), any sink the caller adds (a dotted name, or a ``(type, method)`` pair matched on the
-receiver's type and its subclasses) and, conservatively, ``commit``/``flush`` on a receiver whose type the analysis cannot tell (annotate
-the receiver, or allowlist the call). A sink reached ends that path; the failure prints the whole
-chain handler -> ... -> sink with file:line for every hop.
+receiver's type and its subclasses) and, conservatively, ``commit``/``flush`` on a receiver
+whose type the analysis cannot tell (annotate the receiver, or allowlist the call). A sink
+reached ends that path; the failure prints the whole chain handler -> ... -> sink with file:line
+for every hop.
 
 The allowlist maps a dotted name (a handler, a function, a class: every method of it, a module)
 to the *reason* the write is accepted; the walk stops there and the report lists the hit with
