@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
 
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainEvent,
@@ -397,6 +398,23 @@ async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(containe
     assert explained.state == "paused", explained.detail  # not "backing off after a failure"
     assert "no attempt charged" in explained.detail
     assert f"circuit open until {reopen.isoformat()}" in explained.detail
+
+
+async def test_a_database_outage_during_a_local_delivery_charges_no_retry(container: Container) -> None:
+    """The handlers' unit of work lost its connection (a failover): the row is released, not
+    charged, and ``explain`` says why it is waiting."""
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now, kind="domain")])
+
+    async def database_drops(_row: ClaimedRow) -> Delivered:
+        raise DBAPIError(
+            "COMMIT", {}, ConnectionResetError("server closed the connection"), connection_invalidated=True
+        )
+
+    await outbox_source(container, ScriptedDeliverer(database_drops), clock).run_cycle()
+    released = await state(container, row_id)
+    assert (released.retry_count, released.lock_token, released.locked_until) == (0, None, None)
+    assert released.last_error.startswith("paused, not charged: database unreachable: DBAPIError")
 
 
 async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(container: Container) -> None:

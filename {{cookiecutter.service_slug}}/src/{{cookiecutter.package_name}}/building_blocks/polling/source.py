@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from ..clock import Clock
 from ..outbox.capture import INTEGRATION as INTEGRATION_KIND
 from ..outbox.metrics import OutboxMetrics
-from ..persistence.database import Database
+from ..persistence.database import Database, is_database_outage
 from ..registry import MalformedPayloadError, UnknownMessageError
 from ..telemetry import AttributeValue, NoTracing, Span, SpanKind, Tracing
 from .claim import ClaimedRow, Claimer
@@ -214,7 +214,10 @@ class TableSource:
             return False
         except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
             span.record_failure(error)
-            await self._write(self._fail(row, token, error))
+            if is_database_outage(error):
+                await self._database_outage(row, token, error)
+            else:
+                await self._write(self._fail(row, token, error))
             return False
         if delivered is Delivered.NEEDS_STAMP:
             await self._write(self._stamp(row, token))
@@ -223,6 +226,23 @@ class TableSource:
         return True
 
     # -- outcomes --------------------------------------------------------------------------
+
+    async def _database_outage(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
+        """The handler's unit of work could not reach the database: not the row's fault, so no
+        retry is charged. The row is released for the next cycle; if even that cannot be
+        written, its lease runs out and it returns the same way."""
+        log.warning(
+            "%s row %s (%s): database unreachable during delivery, not charged: %s",
+            self.name,
+            row.id,
+            row.name,
+            error,
+        )
+        note = f"database unreachable: {type(error).__name__}: {error}"
+        try:
+            await self._write(self._release(row, token, None, paused=note))
+        except Exception:
+            log.debug("%s row %s: release failed as well", self.name, row.id, exc_info=True)
 
     async def _renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         until = self._clock() + timedelta(seconds=self.settings.lease_seconds)
