@@ -138,7 +138,7 @@ async def test_a_killed_processors_rows_are_delivered_after_its_lease(container:
     await install_kit(container)
     await seed(container, [{} for _ in range(20)])
     url = container.settings().database.url
-    doomed = start("processor", url, "--name", "doomed", "--hang-first", "--lease", "3", "--batch", "10")
+    doomed = start("processor", url, "--name", "doomed", "--hang-first", "--lease", "10", "--batch", "10")
     assert doomed.stdout is not None
     assert doomed.stdout.readline().strip() == "claimed"
     killed_at = time.time()
@@ -147,13 +147,18 @@ async def test_a_killed_processors_rows_are_delivered_after_its_lease(container:
     leased = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.locked_by == "doomed"))
     assert len(leased) == 10
     lease_end = max(r.locked_until for r in leased).timestamp()
-    finish(start("processor", url, "--name", "survivor", "--until-empty", "--lease", "3"))
+    finish(start("processor", url, "--name", "survivor", "--until-empty", "--lease", "10"))
     delivered = await deliveries(container)
     by_row = {d.row_id: d for d in delivered}
     assert len(by_row) == 20
+    leased_ids = {str(r.id) for r in leased}
     for r in leased:
         assert by_row[str(r.id)].processor == "survivor"
         assert by_row[str(r.id)].delivered_at >= lease_end - 0.5  # not before the lease ran out
+    free = [d for row_id, d in by_row.items() if row_id not in leased_ids]
+    # The survivor was running while the lease held: it took the free rows at once and left
+    # the leased ones alone until the lease ended (otherwise the check above proves nothing).
+    assert all(d.processor == "survivor" and d.delivered_at < lease_end for d in free)
     assert lease_end > killed_at
 
 
