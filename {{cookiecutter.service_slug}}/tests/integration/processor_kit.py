@@ -11,6 +11,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+    COMMAND_TABLE,
     OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
@@ -47,12 +48,24 @@ class ScriptedDeliverer:
 def outbox_source(
     container: Container, deliverer: Any, clock: FakeClock | None = None, **overrides: Any
 ) -> TableSource:
+    return polled_source(container, "outbox", deliverer, clock, **overrides)
+
+
+def command_source(container: Container, clock: FakeClock | None = None, **overrides: Any) -> TableSource:
+    """The internal-command processor's source with the service's deliverer, on ``clock``."""
+    return polled_source(container, "internal_commands", container.command_deliverer(), clock, **overrides)
+
+
+def polled_source(
+    container: Container, name: str, deliverer: Any, clock: FakeClock | None = None, **overrides: Any
+) -> TableSource:
+    table, column = (OUTBOX_TABLE, "event_name") if name == "outbox" else (COMMAND_TABLE, "command_name")
     settings = source_settings(container.settings())
     values = {**settings.__dict__, **overrides}
     return TableSource(
-        name="outbox",
-        table=OUTBOX_TABLE,
-        name_column="event_name",
+        name=name,
+        table=table,
+        name_column=column,
         settings=SourceSettings(**values),
         database=container.database(),
         deliverer=deliverer,
@@ -95,9 +108,9 @@ def row(
     }
 
 
-async def state(container: Container, row_id: uuid.UUID) -> Any:
+async def state(container: Container, row_id: uuid.UUID, table: sa.Table = OUTBOX_TABLE) -> Any:
     async with container.database().session() as session:
-        return (await session.exec(sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.id == row_id))).one()  # type: ignore[call-overload]
+        return (await session.exec(sa.select(table).where(table.c.id == row_id))).one()  # type: ignore[call-overload]
 
 
 async def all_rows(container: Container) -> list[Any]:

@@ -48,7 +48,15 @@ from {{ cookiecutter.package_name }}.container import (
 
 from ..conftest import FakeClock, acting_as, fetch, live_server, token_for
 from ..kit import RecordEffect, install_kit, record_effect
-from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
+from .processor_kit import (
+    ScriptedDeliverer,
+    all_rows,
+    command_source,
+    insert_rows,
+    outbox_source,
+    row,
+    state,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -399,6 +407,63 @@ async def test_a_failing_internal_command_backs_off_like_the_outbox(container: C
     assert (command_row.retry_count, command_row.processed_on) == (1, None)
     assert "command failed" in command_row.last_error
     assert command_row.locked_until > container.clock()()
+
+
+async def test_a_command_that_keeps_failing_is_dead_lettered_after_exactly_max_retries(
+    container: Container,
+) -> None:
+    """The internal-command processor uses the outbox's idiom: backoff, then ``retries_exhausted``
+    at ``OUTBOX__MAX_RETRIES`` (3 here), never a fourth run."""
+    await install_kit(container)
+    runs: list[str] = []
+
+    async def broken(command: RecordEffect, uow: UnitOfWork) -> None:
+        del uow
+        runs.append(command.label)
+        msg = "the mail server refused it"
+        raise RuntimeError(msg)
+
+    container.handlers().on_command(RecordEffect, broken)
+    clock = FakeClock()
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            uow.schedule(RecordEffect(label="welcome-mail"), due_at=clock.now)
+            await uow.commit()
+    source = command_source(container, clock, max_retries=3)
+    for _ in range(5):
+        await source.run_cycle()
+        clock.advance(3600)  # past any backoff
+    (command_row,) = await fetch(container, sa.select(COMMAND_TABLE))
+    assert runs == ["welcome-mail"] * 3
+    assert (command_row.retry_count, command_row.dead_letter_reason) == (3, "retries_exhausted")
+    assert "the mail server refused it" in command_row.last_error
+    (listed,) = await container.admin().list_dead_letters("internal_commands")
+    assert listed.reason == "retries_exhausted"
+
+
+async def test_a_command_nobody_can_read_is_retried_once_then_dead_lettered(container: Container) -> None:
+    clock = FakeClock()
+    (command_id,) = await insert_rows(
+        container,
+        [
+            {
+                "command_name": "kit.never-registered.v1",
+                "payload": {},
+                "occurred_on": clock.now,
+                "available_on": clock.now,
+                "retry_count": 0,
+            }
+        ],
+        table=COMMAND_TABLE,
+    )
+    source = command_source(container, clock)
+    await source.run_cycle()
+    first = await state(container, command_id, table=COMMAND_TABLE)
+    assert (first.retry_count, first.dead_lettered_on) == (1, None)
+    clock.advance(3600)
+    await source.run_cycle()
+    second = await state(container, command_id, table=COMMAND_TABLE)
+    assert (second.retry_count, second.dead_letter_reason) == (2, "type_unresolvable")
 
 
 async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
