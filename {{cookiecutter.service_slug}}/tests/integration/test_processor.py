@@ -557,6 +557,17 @@ async def run_loop_for(loop: PollingLoop, seconds: float) -> None:
         await task  # let it return its connection before the test ends
 
 
+async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytest.LogCaptureFixture) -> None:
+    """A quiet service polls every interval forever: those polls must not fill the logs (or the
+    traces, see test_tracing), not even at DEBUG; only a cycle with work says anything."""
+    source = outbox_source(container, ScriptedDeliverer())
+    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=0.05, clock=container.clock())
+    with caplog.at_level(logging.DEBUG, logger=PollingLoop.__module__.partition(".")[0]):
+        await run_loop_for(loop, 0.6)
+    assert loop.cycles >= 3
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container) -> None:
     """Five eligible rows, batches of two, every delivery failing: one cycle, then the loop
     waits (a minute here) instead of sweeping on and charging every row a retry."""
