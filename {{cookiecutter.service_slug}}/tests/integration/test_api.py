@@ -39,8 +39,15 @@ async def test_health_metrics_and_asyncapi(container: Container) -> None:
         document = (await client.get("/asyncapi")).json()
     assert document["asyncapi"].startswith("3.")
     documented = {message["name"] for message in document["components"]["messages"].values()}
+    channel_messages = {
+        ref["$ref"].rpartition("/")[2]: channel["address"]
+        for channel in document["channels"].values()
+        for ref in channel["messages"].values()
+    }
     for event in container.registry().classes(IntegrationEvent):
-        assert event.message_name in documented, f"{event.message_name} has no AsyncAPI channel"
+        assert event.message_name in documented, f"{event.message_name} has no AsyncAPI message"
+        key = event.message_name.replace(".", "_").replace("-", "_")
+        assert channel_messages[key].endswith(event.message_name), f"{event.message_name} has no channel"
 
 
 async def test_readyz_reports_an_unreachable_database(make_container: object, tmp_path: object) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -21,6 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+)
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
     OUTBOX_TABLE,
     notify_channel,
@@ -32,6 +36,8 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_listener,
+    build_modules,
+    build_registry,
 )
 
 from ..conftest import FakeClock, acting_as, eventually, fetch
@@ -247,3 +253,33 @@ async def test_the_outbox_cli_lists_explains_and_replays(container: Container) -
     assert unknown.returncode == 2
     assert "no outbox row has id" in unknown.stderr
     assert "Traceback" not in unknown.stderr
+
+
+def test_the_asyncapi_command_and_make_target_write_the_document(tmp_path: Path) -> None:
+    """``make asyncapi`` runs ``asyncapi --output asyncapi.json``; the command writes a document
+    with a channel for every integration event the service registers."""
+    make = shutil.which("make")
+    assert make is not None, "make is needed to run the project's targets"
+    dry_run = subprocess.run(
+        [make, "-n", "asyncapi"], cwd=PROJECT, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert dry_run.returncode == 0, dry_run.stderr
+    assert "asyncapi --output asyncapi.json" in dry_run.stdout
+    target = tmp_path / "asyncapi.json"
+    env = {k: v for k, v in os.environ.items() if "__" not in k}
+    written = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "asyncapi", "--output", str(target)],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert written.returncode == 0, written.stderr
+    document = json.loads(target.read_text(encoding="utf-8"))
+    assert document["asyncapi"] == "3.0.0"
+    channels = {name: channel["address"] for name, channel in document["channels"].items()}
+    for event in build_registry(build_modules()).classes(IntegrationEvent):
+        key = event.message_name.replace(".", "_").replace("-", "_")
+        assert channels[key].endswith(event.message_name), f"{event.message_name} has no channel"
