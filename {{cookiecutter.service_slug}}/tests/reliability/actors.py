@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 import uuid
 from datetime import UTC, datetime
@@ -53,7 +54,7 @@ from {{ cookiecutter.package_name }}.container import (
     source_settings,
 )
 
-from ..conftest import make_settings
+from ..conftest import SERVICE_URLS, make_settings
 from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
 
 
@@ -170,9 +171,50 @@ async def consumer(args: argparse.Namespace) -> None:
     await container.database().dispose()
 
 
+async def crasher(args: argparse.Namespace) -> None:
+    """Consume ``kit.crasher`` from a real broker with a handler that kills the process (no
+    cleanup, no acknowledgement). Exits 3 from inside the handler; exits 0 once the message is
+    in the consumer's dead-letter destination instead (the crash guard put it there)."""
+    container = build_container(
+        make_settings(
+            args.db,
+            application={"namespace": args.namespace},
+            message_bus={
+                "transport": args.transport,
+                "url": SERVICE_URLS[args.transport],
+                "max_delivery_attempts": 2,
+                "redelivery_delay_seconds": 0.3,
+            },
+        )
+    )
+    await install_kit(container, create_tables=False)
+
+    async def dies(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event, uow
+        print("handling", flush=True)
+        os._exit(3)  # a crash: no except, no finally, no ack
+
+    container.handlers().consume("kit.crasher", CounterChangedV1, dies)
+    bus = container.bus()
+    await bus.start()
+    await bus.start_consuming()
+    deadline = time.monotonic() + args.seconds
+    try:
+        while time.monotonic() < deadline:
+            letters = await bus.dead_letters("kit.crasher")  # type: ignore[attr-defined]
+            if letters:
+                attempts = letters[0].headers.get("x-attempts")
+                print(json.dumps({"error": letters[0].error, "attempts": attempts}), flush=True)
+                return
+            await asyncio.sleep(0.2)
+    finally:
+        await bus.stop()
+        await container.database().dispose()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["processor", "consumer"])
+    parser.add_argument("role", choices=["processor", "consumer", "crasher"])
     parser.add_argument("--db", required=True)
     parser.add_argument("--name", default="p1")
     parser.add_argument("--namespace", default="reliability")
@@ -187,8 +229,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--message-id", default="")
     parser.add_argument("--start-at", default="0")
     parser.add_argument("--barrier", default=".")
+    parser.add_argument("--transport", default="rabbitmq")
     args = parser.parse_args(argv)
-    asyncio.run(processor(args) if args.role == "processor" else consumer(args))
+    roles = {"processor": processor, "consumer": consumer, "crasher": crasher}
+    asyncio.run(roles[args.role](args))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -16,14 +17,27 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from {{ cookiecutter.package_name }}.building_blocks.context import (
+    capture,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+    Envelope,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
+    CRASH_GUARD_ERROR,
+)
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
     OUTBOX_TABLE,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+    UnitOfWork,
+)
 from {{ cookiecutter.package_name }}.container import (
     Container,
+    build_container,
 )
 
-from ..conftest import acting_as, fetch
+from ..conftest import SERVICE_URLS, acting_as, fetch, make_settings
 from ..kit import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
@@ -244,3 +258,64 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
     assert len(effects) == 1
     inbox = await fetch(container, sa.text("SELECT message_id FROM inbox_messages"))
     assert [r[0] for r in inbox] == [message_id]
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [pytest.param("rabbitmq", marks=pytest.mark.rabbitmq), pytest.param("redis", marks=pytest.mark.redis)],
+)
+async def test_a_consumer_that_crashes_on_every_delivery_is_dead_lettered_by_the_guard(
+    container: Container, transport: str
+) -> None:
+    """The handler kills its process every time (nothing is recorded, nothing acknowledged).
+    With two attempts allowed, two processes die on the message; the third sees it a third time
+    and the crash guard dead-letters it before any handler runs: no crash loop, no loss."""
+    await install_kit(container)
+    url = container.settings().database.url
+    namespace = f"crash{uuid.uuid4().hex[:8]}"
+    publisher = build_container(
+        make_settings(
+            url,
+            application={"namespace": namespace},
+            message_bus={
+                "transport": transport,
+                "url": SERVICE_URLS[transport],
+                "max_delivery_attempts": 2,
+                "redelivery_delay_seconds": 0.3,  # as the crashers declare it
+            },
+        )
+    )
+    await install_kit(publisher, create_tables=False)
+
+    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event, uow
+
+    publisher.handlers().consume("kit.crasher", CounterChangedV1, never_runs)  # declares its queue
+    bus = publisher.bus()
+    await bus.start()
+    try:
+        with acting_as():
+            context = capture()
+        body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
+        message_id = str(uuid.uuid4())
+        await bus.publish(
+            Envelope(message_id, CounterChangedV1.message_name, datetime.now(UTC), body, context)
+        )
+        runs: list[tuple[int, str]] = []
+        for _ in range(4):
+            options = ("--transport", transport, "--namespace", namespace, "--seconds", "30")
+            crasher = start("crasher", url, *options)
+            stdout, stderr = crasher.communicate(timeout=90)
+            runs.append((crasher.returncode, stdout))
+            if crasher.returncode != 3:
+                assert crasher.returncode == 0, stderr[-4000:]
+                break
+        assert [code for code, _ in runs] == [3, 3, 0]
+        assert all("handling" in out.splitlines() for _, out in runs[:2])  # died in the handler
+        report = json.loads(next(line for line in runs[2][1].splitlines() if line.startswith("{")))
+        assert report == {"error": CRASH_GUARD_ERROR, "attempts": "3"}
+        assert await fetch(container, sa.select(EFFECTS.c.label)) == []
+    finally:
+        await bus.stop()
+        await bus.delete_topology()  # type: ignore[attr-defined]
+        await publisher.database().dispose()
