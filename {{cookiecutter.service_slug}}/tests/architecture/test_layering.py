@@ -142,6 +142,54 @@ def test_the_domain_imports_only_the_standard_library_and_domain_building_blocks
     )
 
 
+ADAPTER_MODULES = (
+    "building_blocks.messaging.faststream_bus",
+    "building_blocks.messaging.inprocess",
+    "building_blocks.messaging.transports",
+)
+
+
+def is_adapter(package: str, module: str) -> bool:
+    """A concrete adapter: a context's ``infrastructure``, the buses, the broker transports."""
+    inner = module.removeprefix(f"{package}.")
+    context, _, rest = inner.partition(".")
+    if context != "building_blocks" and rest.split(".")[0] == "infrastructure":
+        return True
+    return any(inner == a or inner.startswith(f"{a}.") for a in ADAPTER_MODULES)
+
+
+def may_import_adapters(package: str, module: str) -> bool:
+    """The composition: the container, the entrypoints, a context's ``module.py`` (its adapters
+    map) and the adapters themselves."""
+    top, _, rest = module.removeprefix(f"{package}.").partition(".")
+    composition = top in {"container", "entrypoints"} or (rest == "module" and top != "building_blocks")
+    return composition or is_adapter(package, module)
+
+
+def adapter_imports_outside_the_composition(package: str) -> list[str]:
+    """Every direct import of a concrete adapter by a module that is not allowed one (an
+    allowlist: a context module with a name no contract lists is covered too)."""
+    graph = package_graph(package)
+    found: list[str] = []
+    for module in sorted(graph.modules):
+        if may_import_adapters(package, module):
+            continue
+        for imported in sorted(graph.find_modules_directly_imported_by(module)):
+            if is_adapter(package, imported):
+                lines = graph.get_import_details(importer=module, imported=imported) or [{}]
+                found += [f"{module}:{line.get('line_number', '?')} imports {imported}" for line in lines]
+    return found
+
+
+def test_only_the_composition_imports_concrete_adapters() -> None:
+    violations = adapter_imports_outside_the_composition(PACKAGE)
+
+    assert violations == [], (
+        "Only container.py, the entrypoints and a context's module.py import adapters; depend on "
+        "the port (a Protocol) and let module.py map it:\n" + "\n".join(violations)
+    )
+
+
 def write_probe(root: Path, package: str, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = root / package / name
@@ -182,6 +230,36 @@ def test_a_building_block_importing_a_context_and_a_leaky_domain_are_caught(
     assert domain_imports_outside_the_allowlist(package) == [
         f"{package}.billing.domain:4 imports {package}.building_blocks.persistence",
         f"{package}.billing.domain:5 imports pytest",
+    ]
+
+
+def test_an_adapter_imported_outside_the_composition_is_caught(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = f"adapter_probe_{uuid.uuid4().hex[:8]}"
+    messaging = f"{package}.building_blocks.messaging"
+    write_probe(
+        tmp_path,
+        package,
+        {
+            "__init__.py": "",
+            "container.py": f"from {package}.building_blocks.messaging import transports\n",
+            "building_blocks/__init__.py": "",
+            "building_blocks/worker.py": f"from {messaging} import faststream_bus\n",
+            "building_blocks/messaging/__init__.py": "",
+            "building_blocks/messaging/faststream_bus.py": f"from {messaging} import transports\n",
+            "building_blocks/messaging/transports.py": "",
+            "billing/__init__.py": "",
+            "billing/module.py": f"from {package}.billing import infrastructure\n",
+            "billing/infrastructure.py": "",
+            "billing/services.py": f"from {package}.billing.infrastructure import *\n",
+        },
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    assert adapter_imports_outside_the_composition(package) == [
+        f"{package}.billing.services:1 imports {package}.billing.infrastructure",
+        f"{package}.building_blocks.worker:1 imports {package}.building_blocks.messaging.faststream_bus",
     ]
 
 
