@@ -13,6 +13,7 @@ import json
 import os
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -138,17 +139,13 @@ async def processor(args: argparse.Namespace) -> None:
     await container.database().dispose()
 
 
-async def consumer(args: argparse.Namespace) -> None:
-    """Consume one message (the same one in two processes) through the real pipeline."""
-    container = build_container(make_settings(args.db, application={"namespace": args.namespace}))
-    await install_kit(container, create_tables=False)
+def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, UnitOfWork], Awaitable[None]]:
+    """A handler that waits until both racers are inside their handlers (both passed the inbox
+    pre-check) before it writes: the loser must meet the inbox primary key at commit."""
 
-    barrier = Path(args.barrier)
-
-    async def slow_handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
-        # A real barrier: both processes are inside the handler (both passed the inbox
-        # pre-check) before either writes or commits, so the loser must meet the primary key.
-        (barrier / args.name).touch()
+    async def handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event
+        (barrier / name).touch()
         deadline = time.monotonic() + 30
         while len(list(barrier.iterdir())) < 2:  # noqa: ASYNC240 (two tiny files, polled)
             if time.monotonic() > deadline:
@@ -156,9 +153,17 @@ async def consumer(args: argparse.Namespace) -> None:
                 raise RuntimeError(msg)
             await asyncio.sleep(0.02)
         print("entered", flush=True)
-        await record_effect(uow, f"consumed-by-{args.name}")
+        await record_effect(uow, f"consumed-by-{name}")
 
-    container.handlers().consume("kit.racer", CounterChangedV1, slow_handler)
+    return handler
+
+
+async def consumer(args: argparse.Namespace) -> None:
+    """Consume one message (the same one in two processes) through the real pipeline."""
+    container = build_container(make_settings(args.db, application={"namespace": args.namespace}))
+    await install_kit(container, create_tables=False)
+    handler = barrier_handler(Path(args.barrier), args.name)
+    container.handlers().consume("kit.racer", CounterChangedV1, handler)
     (racer,) = [c for c in container.handlers().consumers if c.name == "kit.racer"]
     context = CapturedContext("acme", "alice", None, "race-1", None)
     body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
@@ -169,6 +174,41 @@ async def consumer(args: argparse.Namespace) -> None:
     outcome = await container.pipeline().consume(racer, headers, body)
     print(outcome.value, flush=True)
     await container.database().dispose()
+
+
+async def broker_racer(args: argparse.Namespace) -> None:
+    """Consume ``kit.racer`` from a real RabbitMQ queue beside another process; report whether
+    this process's copy was consumed or skipped as a duplicate, once it has handled one."""
+    container = build_container(
+        make_settings(
+            args.db,
+            application={"namespace": args.namespace},
+            message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]},
+        )
+    )
+    await install_kit(container, create_tables=False)
+    handler = barrier_handler(Path(args.barrier), args.name)
+    container.handlers().consume("kit.racer", CounterChangedV1, handler)
+    bus = container.bus()
+    await bus.start()
+    await bus.start_consuming()
+    print("ready", flush=True)
+    registry = container.metrics().registry
+
+    def count(metric: str) -> float:
+        return registry.get_sample_value(metric, {"consumer": "kit.racer"}) or 0.0
+
+    deadline = time.monotonic() + args.seconds
+    try:
+        while time.monotonic() < deadline:
+            consumed, duplicate = count("inbox_consumed_total"), count("inbox_duplicates_total")
+            if consumed or duplicate:
+                print("consumed" if consumed else "duplicate", flush=True)
+                return
+            await asyncio.sleep(0.05)
+    finally:
+        await bus.stop()
+        await container.database().dispose()
 
 
 async def crasher(args: argparse.Namespace) -> None:
@@ -214,7 +254,7 @@ async def crasher(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("role", choices=["processor", "consumer", "crasher"])
+    parser.add_argument("role", choices=["processor", "consumer", "crasher", "broker-racer"])
     parser.add_argument("--db", required=True)
     parser.add_argument("--name", default="p1")
     parser.add_argument("--namespace", default="reliability")
@@ -231,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--barrier", default=".")
     parser.add_argument("--transport", default="rabbitmq")
     args = parser.parse_args(argv)
-    roles = {"processor": processor, "consumer": consumer, "crasher": crasher}
+    roles = {"processor": processor, "consumer": consumer, "crasher": crasher, "broker-racer": broker_racer}
     asyncio.run(roles[args.role](args))
 
 

@@ -61,6 +61,16 @@ def start(role: str, url: str, *args: str) -> subprocess.Popen[str]:
     )
 
 
+def wait_for_line(process: subprocess.Popen[str], wanted: str) -> None:
+    """Read the actor's output until it prints ``wanted`` (FastStream logs on the same stream)."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.strip() == wanted:
+            return
+    msg = f"the actor ended before it said {wanted!r}"
+    raise AssertionError(msg)
+
+
 def finish(process: subprocess.Popen[str], timeout: float = 180) -> str:
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, stderr[-4000:]
@@ -258,6 +268,65 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
     assert len(effects) == 1
     inbox = await fetch(container, sa.text("SELECT message_id FROM inbox_messages"))
     assert [r[0] for r in inbox] == [message_id]
+
+
+@pytest.mark.rabbitmq
+async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_effect(
+    container: Container, tmp_path: Path
+) -> None:
+    """The same message published twice to a real RabbitMQ queue read by two processes: each
+    process takes one copy, both are inside the handler at once (the file barrier), and the
+    broker wrapper acknowledges the loser as a duplicate: one effect, nothing redelivered."""
+    await install_kit(container)
+    url = container.settings().database.url
+    namespace = f"race{uuid.uuid4().hex[:8]}"
+    publisher = build_container(
+        make_settings(
+            url,
+            application={"namespace": namespace},
+            message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]},
+        )
+    )
+    await install_kit(publisher, create_tables=False)
+
+    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event, uow
+
+    publisher.handlers().consume("kit.racer", CounterChangedV1, never_runs)  # declares the queue
+    bus = publisher.bus()
+    await bus.start()
+    racers = [
+        start(
+            "broker-racer",
+            url,
+            *("--name", name, "--namespace", namespace, "--barrier", str(tmp_path), "--seconds", "60"),
+        )
+        for name in ("r1", "r2")
+    ]
+    try:
+        for racer in racers:
+            wait_for_line(racer, "ready")
+        with acting_as():
+            context = capture()
+        body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
+        message = Envelope(str(uuid.uuid4()), CounterChangedV1.message_name, datetime.now(UTC), body, context)
+        await bus.publish(message)
+        await bus.publish(message)  # the duplicate: a second publish of the same row
+        ours = {"entered", "consumed", "duplicate"}  # what the actor prints (FastStream logs too)
+        said = sorted(
+            [line for line in finish(racer, timeout=90).splitlines() if line in ours] for racer in racers
+        )
+        assert said == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
+        effects = await fetch(container, sa.select(EFFECTS.c.label))
+        assert len(effects) == 1
+        assert await bus.dead_letters("kit.racer") == []  # type: ignore[attr-defined]
+    finally:
+        for racer in racers:
+            if racer.poll() is None:
+                racer.kill()
+        await bus.stop()
+        await bus.delete_topology()  # type: ignore[attr-defined]
+        await publisher.database().dispose()
 
 
 @pytest.mark.parametrize(
