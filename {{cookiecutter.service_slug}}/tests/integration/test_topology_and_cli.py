@@ -268,7 +268,14 @@ def test_the_asyncapi_command_and_make_target_write_the_document(tmp_path: Path)
     target = tmp_path / "asyncapi.json"
     env = {k: v for k, v in os.environ.items() if "__" not in k}
     written = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "asyncapi", "--output", str(target)],
+        [
+            sys.executable,
+            "-m",
+            "{{ cookiecutter.package_name }}",
+            "asyncapi",
+            "--output",
+            str(target),
+        ],
         cwd=PROJECT,
         env=env,
         capture_output=True,

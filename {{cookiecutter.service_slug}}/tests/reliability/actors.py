@@ -62,15 +62,19 @@ from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
 class RecordingDeliverer:
     """Records each delivery; can hang on its first row (to be killed) or fail poison rows."""
 
-    def __init__(self, container: Container, name: str, *, hang_first: bool) -> None:
+    def __init__(
+        self, container: Container, name: str, *, hang_first: bool, takes_seconds: float = 0.0
+    ) -> None:
         self.container = container
         self.name = name
         self.hang_first = hang_first
+        self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         if self.hang_first:
             print("claimed", flush=True)  # the test waits for this line, then kills us
             await asyncio.sleep(3600)
+        await asyncio.sleep(self.takes_seconds)
         async with self.container.database().session() as session:
             await session.exec(  # type: ignore[call-overload]
                 sa.insert(DELIVERIES).values(
@@ -114,12 +118,15 @@ async def processor(args: argparse.Namespace) -> None:
         name_column="event_name",
         settings=SourceSettings(**values),
         database=container.database(),
-        deliverer=RecordingDeliverer(container, args.name, hang_first=args.hang_first),
+        deliverer=RecordingDeliverer(
+            container, args.name, hang_first=args.hang_first, takes_seconds=args.delivery_seconds
+        ),
         clock=system_clock,
         instance_id=args.name,
         metrics=container.metrics(),
     )
     wake = WakeSignal()
+    await asyncio.sleep(max(0.0, float(args.start_at) - time.time()))  # start together with the others
     loop = PollingLoop(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
     tasks = [asyncio.create_task(loop.run())]
     if args.listen:
@@ -270,6 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--start-at", default="0")
     parser.add_argument("--barrier", default=".")
     parser.add_argument("--transport", default="rabbitmq")
+    parser.add_argument("--delivery-seconds", type=float, default=0.0)
     args = parser.parse_args(argv)
     roles = {"processor": processor, "consumer": consumer, "crasher": crasher, "broker-racer": broker_racer}
     asyncio.run(roles[args.role](args))

@@ -187,16 +187,25 @@ async def test_a_killed_processors_rows_are_delivered_after_its_lease(container:
 
 
 async def test_order_per_key_holds_under_two_processors_with_a_poison_head(container: Container) -> None:
+    """Sixteen keys (more than one batch of heads, so both processors find work), one of them
+    behind a poison head, interleaved: order holds per key across both processes."""
     await install_kit(container)
+    keys = [*(f"k{i:02}" for i in range(15)), "poisoned"]
     rows = []
-    for index in range(20):
-        for key in ("a", "b", "poisoned", "c"):
+    for index in range(6):
+        for key in keys:
             poison = key == "poisoned" and index == 0
             rows.append({"ordering_key": key, "payload": {"poison": True} if poison else {}})
     await seed(container, rows)
     url = container.settings().database.url
+    start_at = f"{time.time() + 6.0}"  # both poll from the same moment, whatever their start-up took
     processes = [
-        start("processor", url, "--name", n, "--until-empty", "--max-retries", "3", "--batch", "5")
+        start(
+            "processor",
+            url,
+            *("--name", n, "--until-empty", "--max-retries", "3", "--batch", "5", "--start-at", start_at),
+            *("--delivery-seconds", "0.05"),  # one process alone needs seconds: both take part
+        )
         for n in ("p1", "p2")
     ]
     for process in processes:
