@@ -10,6 +10,8 @@ import sys
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -279,6 +281,38 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
     assert [r[0] for r in inbox] == [message_id]
 
 
+@asynccontextmanager
+async def broker_publisher(
+    database_url: str, namespace: str, consumer: str, bus_settings: dict[str, Any]
+) -> AsyncIterator[Any]:
+    """A started bus on ``namespace`` that declares ``consumer``'s queue (its handler never runs
+    here) and publishes; its topology is deleted afterwards. The actors consume."""
+    publisher = build_container(
+        make_settings(database_url, application={"namespace": namespace}, message_bus=bus_settings)
+    )
+    await install_kit(publisher, create_tables=False)
+
+    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
+        del event, uow
+
+    publisher.handlers().consume(consumer, CounterChangedV1, never_runs)
+    bus = publisher.bus()
+    await bus.start()
+    try:
+        yield bus
+    finally:
+        await bus.stop()
+        await bus.delete_topology()
+        await publisher.database().dispose()
+
+
+def counter_message() -> Envelope:
+    with acting_as():
+        context = capture()
+    body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
+    return Envelope(str(uuid.uuid4()), CounterChangedV1.message_name, datetime.now(UTC), body, context)
+
+
 @pytest.mark.rabbitmq
 async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_effect(
     container: Container, tmp_path: Path
@@ -289,53 +323,34 @@ async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_e
     await install_kit(container)
     url = container.settings().database.url
     namespace = f"race{uuid.uuid4().hex[:8]}"
-    publisher = build_container(
-        make_settings(
-            url,
-            application={"namespace": namespace},
-            message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]},
-        )
-    )
-    await install_kit(publisher, create_tables=False)
-
-    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
-        del event, uow
-
-    publisher.handlers().consume("kit.racer", CounterChangedV1, never_runs)  # declares the queue
-    bus = publisher.bus()
-    await bus.start()
-    racers = [
-        start(
-            "broker-racer",
-            url,
-            *("--name", name, "--namespace", namespace, "--barrier", str(tmp_path), "--seconds", "60"),
-        )
-        for name in ("r1", "r2")
-    ]
-    try:
-        for racer in racers:
-            wait_for_line(racer, "ready")
-        with acting_as():
-            context = capture()
-        body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
-        message = Envelope(str(uuid.uuid4()), CounterChangedV1.message_name, datetime.now(UTC), body, context)
-        await bus.publish(message)
-        await bus.publish(message)  # the duplicate: a second publish of the same row
-        ours = {"entered", "consumed", "duplicate"}  # what the actor prints (FastStream logs too)
-        said = sorted(
-            [line for line in finish(racer, timeout=90).splitlines() if line in ours] for racer in racers
-        )
-        assert said == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
-        effects = await fetch(container, sa.select(EFFECTS.c.label))
-        assert len(effects) == 1
-        assert await bus.dead_letters("kit.racer") == []  # type: ignore[attr-defined]
-    finally:
-        for racer in racers:
-            if racer.poll() is None:
-                racer.kill()
-        await bus.stop()
-        await bus.delete_topology()  # type: ignore[attr-defined]
-        await publisher.database().dispose()
+    rabbitmq: dict[str, Any] = {"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]}
+    async with broker_publisher(url, namespace, "kit.racer", rabbitmq) as bus:
+        racers = [
+            start(
+                "broker-racer",
+                url,
+                *("--name", name, "--namespace", namespace, "--barrier", str(tmp_path), "--seconds", "60"),
+            )
+            for name in ("r1", "r2")
+        ]
+        try:
+            for racer in racers:
+                wait_for_line(racer, "ready")
+            message = counter_message()
+            await bus.publish(message)
+            await bus.publish(message)  # the duplicate: a second publish of the same row
+            ours = {"entered", "consumed", "duplicate"}  # what the actor prints (FastStream logs too)
+            said = sorted(
+                [line for line in finish(racer, timeout=90).splitlines() if line in ours] for racer in racers
+            )
+            assert said == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
+            effects = await fetch(container, sa.select(EFFECTS.c.label))
+            assert len(effects) == 1
+            assert await bus.dead_letters("kit.racer") == []
+        finally:
+            for racer in racers:
+                if racer.poll() is None:
+                    racer.kill()
 
 
 @pytest.mark.parametrize(
@@ -351,34 +366,14 @@ async def test_a_consumer_that_crashes_on_every_delivery_is_dead_lettered_by_the
     await install_kit(container)
     url = container.settings().database.url
     namespace = f"crash{uuid.uuid4().hex[:8]}"
-    publisher = build_container(
-        make_settings(
-            url,
-            application={"namespace": namespace},
-            message_bus={
-                "transport": transport,
-                "url": SERVICE_URLS[transport],
-                "max_delivery_attempts": 2,
-                "redelivery_delay_seconds": 0.3,  # as the crashers declare it
-            },
-        )
-    )
-    await install_kit(publisher, create_tables=False)
-
-    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
-        del event, uow
-
-    publisher.handlers().consume("kit.crasher", CounterChangedV1, never_runs)  # declares its queue
-    bus = publisher.bus()
-    await bus.start()
-    try:
-        with acting_as():
-            context = capture()
-        body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
-        message_id = str(uuid.uuid4())
-        await bus.publish(
-            Envelope(message_id, CounterChangedV1.message_name, datetime.now(UTC), body, context)
-        )
+    bus_settings: dict[str, Any] = {
+        "transport": transport,
+        "url": SERVICE_URLS[transport],
+        "max_delivery_attempts": 2,
+        "redelivery_delay_seconds": 0.3,  # as the crashers declare it
+    }
+    async with broker_publisher(url, namespace, "kit.crasher", bus_settings) as bus:
+        await bus.publish(counter_message())
         runs: list[tuple[int, str]] = []
         for _ in range(4):
             options = ("--transport", transport, "--namespace", namespace, "--seconds", "30")
@@ -393,7 +388,3 @@ async def test_a_consumer_that_crashes_on_every_delivery_is_dead_lettered_by_the
         report = json.loads(next(line for line in runs[2][1].splitlines() if line.startswith("{")))
         assert report == {"error": CRASH_GUARD_ERROR, "attempts": "3"}
         assert await fetch(container, sa.select(EFFECTS.c.label)) == []
-    finally:
-        await bus.stop()
-        await bus.delete_topology()  # type: ignore[attr-defined]
-        await publisher.database().dispose()
