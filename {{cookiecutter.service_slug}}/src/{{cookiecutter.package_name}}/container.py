@@ -225,6 +225,9 @@ class Container(containers.DeclarativeContainer):
         LocalDispatcher,
         handlers,
         max_cascade_depth=settings.provided.outbox.max_cascade_depth,
+        lease_seconds=settings.provided.outbox.lease_seconds,
+        notify_channel=providers.Callable(notify_channel, settings.provided.application.resolved_namespace),
+        shutdown_timeout_seconds=settings.provided.outbox.shutdown_timeout_seconds,
         publish_direct=providers.Singleton(build_direct_publisher, __self__, registry),
         metrics=metrics,
     )

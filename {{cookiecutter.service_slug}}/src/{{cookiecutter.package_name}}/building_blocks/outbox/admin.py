@@ -24,6 +24,7 @@ from ..clock import Clock
 from ..persistence.database import Database
 from ..persistence.models import DeadLetterReplay
 from ..polling.leases import PAUSED_PREFIX
+from ..polling.wake import wake_replicas
 from .sources import SOURCES, SourceTable, UnknownSourceError, source_named
 
 MAX_PAGE = 500
@@ -203,7 +204,7 @@ class OutboxAdministration:
                 )
             )
             if self._db.is_postgresql and self._channel:  # wake every replica's processor
-                await session.exec(sa.select(sa.func.pg_notify(self._channel, "")))  # type: ignore[call-overload]
+                await session.exec(wake_replicas(self._channel))  # type: ignore[call-overload]
             await session.commit()
         self._wake()
         return ReplayResult(table.name, replayed_ids, actor, now)

@@ -35,6 +35,7 @@ from ..handlers import HandlerRegistry
 from ..messages import IntegrationEvent, InternalCommand
 from ..persistence.models import InternalCommand as InternalCommandRow
 from ..persistence.models import OutboxMessage
+from ..polling.wake import wake_replicas
 from ..registry import MessageRegistry
 
 DOMAIN = "domain"
@@ -201,5 +202,5 @@ class OutboxWriter:
             if row.leased:
                 written.append(WrittenRow(row.id, seq, row.ordering_key, capture.lock_token, row.message))
         if dialect == "postgresql" and capture.needs_wake:
-            await session.exec(sa.select(sa.func.pg_notify(self._channel, "")))  # type: ignore[call-overload]
+            await session.exec(wake_replicas(self._channel))  # type: ignore[call-overload]
         return written

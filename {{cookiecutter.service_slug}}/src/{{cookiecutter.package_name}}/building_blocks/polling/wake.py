@@ -14,7 +14,15 @@ import logging
 import time
 from typing import Any
 
+import sqlalchemy as sa
+
 log = logging.getLogger(__name__)
+
+
+def wake_replicas(channel: str) -> sa.Select[Any]:
+    """``SELECT pg_notify(channel, '')``: run inside a transaction, PostgreSQL delivers it to
+    every listening replica only if that transaction commits (so a wake never outruns its data)."""
+    return sa.select(sa.func.pg_notify(channel, ""))
 
 
 class WakeSignal:
