@@ -18,6 +18,8 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from ..text import storable
+
 MAX_ERROR_LENGTH = 4000
 # ``last_error`` of a row released uncharged while its downstream is down (open circuit):
 # ``explain`` reports it as paused, not as backing off after a failure of its own.
@@ -83,7 +85,7 @@ class LeaseStore:
         circuit). ``until`` keeps them unclaimable for a while (the key stays blocked)."""
         values: dict[str, object] = {"locked_until": until, "lock_token": None, "locked_by": None}
         if error is not None:
-            values["last_error"] = error[:MAX_ERROR_LENGTH]
+            values["last_error"] = storable(error, MAX_ERROR_LENGTH)
         statement = sa.update(self.table).where(self._ours(ids, token)).values(**values).returning(self._c.id)
         result = await connection.execute(statement)
         return {row[0] for row in result}
@@ -121,7 +123,7 @@ class LeaseStore:
         """Charge one retry: re-lease for the backoff, or dead-letter with ``reason``."""
         values: dict[str, object] = {
             "retry_count": retry_count,
-            "last_error": error[:MAX_ERROR_LENGTH],
+            "last_error": storable(error, MAX_ERROR_LENGTH),
             "lock_token": None,
             "locked_by": None,
         }

@@ -26,12 +26,12 @@ import dataclasses
 import logging
 import random
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import sqlalchemy as sa
 
@@ -41,6 +41,7 @@ from ..outbox.metrics import OutboxMetrics
 from ..persistence.database import Database, is_database_outage
 from ..registry import MalformedPayloadError, UnknownMessageError
 from ..telemetry import AttributeValue, NoTracing, Span, SpanKind, Tracing
+from ..text import describe
 from .claim import ClaimedRow, Claimer
 from .leases import (
     MALFORMED_PAYLOAD,
@@ -54,6 +55,7 @@ from .leases import (
 from .loop import CycleResult
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Delivered(Enum):
@@ -69,6 +71,16 @@ class CircuitOpenError(RuntimeError):
     def __init__(self, retry_at: datetime) -> None:
         super().__init__(f"circuit open until {retry_at.isoformat()}")
         self.retry_at = retry_at
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed attempt, as it is recorded on its row."""
+
+    attempt: int
+    reason: str | None  # the dead-letter reason, when the row is finished with
+    message: str
+    retry_at: datetime
 
 
 class Deliverer(Protocol):
@@ -144,29 +156,30 @@ class TableSource:
         rows = await self.claim(token)
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
 
+        started: set[uuid.UUID] = set()
+
         async def process(row: ClaimedRow) -> bool:
             async with gate:
+                started.add(row.id)
                 return await self._process(row, token)
 
         self._shutdown_deadline = None
         tasks = [asyncio.ensure_future(process(row)) for row in rows]
-        try:
-            # Every row finishes (or fails) before the cycle ends: one row's database error
-            # must not leave its batch-mates running unobserved behind the next cycle.
-            results = await asyncio.gather(*tasks, return_exceptions=True)
-        except asyncio.CancelledError:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            # Token-guarded: rows whose outcome was already written no longer match.
-            await self._release_on_shutdown(rows, token)
-            raise
-        errors = [result for result in results if isinstance(result, BaseException)]
+        if tasks:
+            try:
+                # Every row finishes (or fails) before the cycle ends: one row's database error
+                # must not leave its batch-mates running unobserved behind the next cycle. (Not
+                # gather: a cancelled gather waits for its children before it lets go.)
+                await asyncio.wait(tasks)
+            except asyncio.CancelledError:
+                await self._stop(tasks, rows, started, token)
+                raise
+        errors = [error for task in tasks if (error := task.exception()) is not None]
         for extra in errors[1:]:
             log.error("%s: another delivery of the cycle failed too", self.name, exc_info=extra)
         if errors:
             raise errors[0]
-        outcomes = [result is True for result in results]
+        outcomes = [task.result() is True for task in tasks]
         completed = sum(1 for done in outcomes if done)
         keyed_completed = any(
             done and row.ordering_key is not None for row, done in zip(rows, outcomes, strict=True)
@@ -220,9 +233,8 @@ class TableSource:
                 await self._write(self._fail(row, token, error))
             return False
         if delivered is Delivered.NEEDS_STAMP:
-            await self._write(self._stamp(row, token))
-        else:
-            self._delivered(row)
+            return await self._write(self._stamp(row, token))
+        self._delivered(row)
         return True
 
     # -- outcomes --------------------------------------------------------------------------
@@ -249,13 +261,15 @@ class TableSource:
         async with self._db.bookkeeping() as connection:
             return await self.leases.renew(connection, row.id, token, until)
 
-    async def _stamp(self, row: ClaimedRow, token: uuid.UUID) -> None:
+    async def _stamp(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+        """True when the stamp landed; a lost lease is not this processor's progress."""
         async with self._db.bookkeeping() as connection:
             stamped = await self.leases.stamp_processed(connection, [row.id], token, self._clock())
         if stamped:
             self._delivered(row)
         else:
             self._lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
+        return bool(stamped)
 
     def _delivered(self, row: ClaimedRow) -> None:
         lag = (self._clock() - row.occurred_on).total_seconds()
@@ -277,7 +291,10 @@ class TableSource:
             reason = TYPE_UNRESOLVABLE if isinstance(error, UnknownMessageError) else MALFORMED_PAYLOAD
             # The first miss may be a module still loading (a rolling deploy); a second miss in a
             # row is terminal. Earlier failures of another kind do not count as a miss.
-            missed_before = (row.last_error or "").startswith(f"{type(error).__name__}:")
+            # Replay keeps last_error but resets retry_count: a miss before the replay is no miss.
+            missed_before = row.retry_count > 0 and (row.last_error or "").startswith(
+                f"{type(error).__name__}:"
+            )
             return attempt, reason if missed_before or attempt >= limit else None
         return attempt, RETRIES_EXHAUSTED if attempt >= limit else None
 
@@ -290,18 +307,8 @@ class TableSource:
             cap=self.settings.lease_seconds,
             rng=self._rng,
         )
-        message = f"{type(error).__name__}: {error}"
-        async with self._db.bookkeeping() as connection:
-            recorded = await self.leases.record_failure(
-                connection,
-                row.id,
-                token,
-                now=now,
-                error=message,
-                retry_count=attempt,
-                retry_at=now + timedelta(seconds=delay),
-                dead_letter_reason=reason,
-            )
+        failure = Failure(attempt, reason, describe(error), now + timedelta(seconds=delay))
+        recorded = await self._record_failure(row, token, failure, error)
         if not recorded:
             self._lost(row, "while recording its failure")
             return
@@ -315,7 +322,7 @@ class TableSource:
                 attempt,
                 self.settings.max_retries,
                 delay,
-                message,
+                failure.message,
             )
             return
         self._metrics.dead_letters.labels(self.name, reason).inc()
@@ -326,8 +333,38 @@ class TableSource:
             row.name,
             reason,
             attempt,
-            message,
+            failure.message,
         )
+
+    async def _record_failure(
+        self, row: ClaimedRow, token: uuid.UUID, failure: Failure, error: BaseException
+    ) -> bool:
+        """Charge the retry. If the database refuses the record for a reason other than an
+        outage (something in the text, say), charge it with a plain reason instead: a failure
+        that cannot be recorded would otherwise come back uncharged, forever."""
+        try:
+            return await self._write_failure(row, token, failure)
+        except Exception as refused:
+            if is_database_outage(refused):
+                raise
+            log.warning("%s row %s: its failure could not be recorded as is: %s", self.name, row.id, refused)
+            plain = (
+                f"{type(error).__name__} (the failure's text could not be recorded: {type(refused).__name__})"
+            )
+            return await self._write_failure(row, token, dataclasses.replace(failure, message=plain))
+
+    async def _write_failure(self, row: ClaimedRow, token: uuid.UUID, failure: Failure) -> bool:
+        async with self._db.bookkeeping() as connection:
+            return await self.leases.record_failure(
+                connection,
+                row.id,
+                token,
+                now=self._clock(),
+                error=failure.message,
+                retry_count=failure.attempt,
+                retry_at=failure.retry_at,
+                dead_letter_reason=failure.reason,
+            )
 
     def _lost(self, row: ClaimedRow, when: str) -> None:
         self._metrics.lost_leases.labels(self.name).inc()
@@ -335,33 +372,43 @@ class TableSource:
 
     # -- shutdown --------------------------------------------------------------------------
 
-    async def _write(self, outcome: Awaitable[None]) -> None:
+    async def _stop(
+        self,
+        tasks: Sequence[asyncio.Future[bool]],
+        rows: list[ClaimedRow],
+        started: set[uuid.UUID],
+        token: uuid.UUID,
+    ) -> None:
+        """Shutdown mid-cycle: rows never started are given back at once, beside the in-flight
+        outcome writes (a write that hangs must not use up the time their release needs); then
+        the interrupted rows are given back. Nothing is charged; token-guarded, so rows whose
+        outcome was written are left as they are."""
+        for task in tasks:
+            task.cancel()
+        unreached = [row for row in rows if row.id not in started]
+        await asyncio.gather(self._release_on_shutdown(unreached, token), *tasks, return_exceptions=True)
+        await self._release_on_shutdown([row for row in rows if row.id in started], token)
+
+    async def _write(self, outcome: Awaitable[T]) -> T:
         """Write an outcome; if shutdown interrupts, finish it within the shutdown timeout."""
-        await self._shielded(outcome, "outcome write", reraise=True)
-
-    def _shutdown_by(self) -> float:
-        """One deadline for the whole shutdown of a cycle (outcome writes and the release share
-        it), so the worker's wait of the shutdown timeout covers everything the cycle does."""
-        if self._shutdown_deadline is None:
-            loop = asyncio.get_running_loop()
-            self._shutdown_deadline = loop.time() + self.settings.shutdown_timeout_seconds
-        return self._shutdown_deadline
-
-    async def _shielded(self, work: Awaitable[None], what: str, *, reraise: bool = False) -> None:
-        task = asyncio.ensure_future(work)
+        task = asyncio.ensure_future(outcome)
         try:
-            await asyncio.shield(task)
+            return await asyncio.shield(task)
         except asyncio.CancelledError:
             try:
                 async with asyncio.timeout_at(self._shutdown_by()):
                     await task
             except Exception:
-                log.exception("%s: %s did not finish during shutdown", self.name, what)
+                log.exception("%s: an outcome write did not finish during shutdown", self.name)
             raise
-        except Exception:
-            if reraise:
-                raise
-            log.exception("%s: %s failed", self.name, what)
+
+    def _shutdown_by(self) -> float:
+        """One deadline for the whole shutdown of a cycle (outcome writes and releases share
+        it), so the worker's wait of the shutdown timeout covers everything the cycle does."""
+        if self._shutdown_deadline is None:
+            loop = asyncio.get_running_loop()
+            self._shutdown_deadline = loop.time() + self.settings.shutdown_timeout_seconds
+        return self._shutdown_deadline
 
     async def _release_on_shutdown(self, rows: list[ClaimedRow], token: uuid.UUID) -> None:
         if not rows:
