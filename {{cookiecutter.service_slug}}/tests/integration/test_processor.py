@@ -217,7 +217,9 @@ async def test_a_lease_lost_after_delivery_is_counted_and_not_stamped(
     with caplog.at_level(logging.WARNING):
         cycle = await source.run_cycle()
 
-    assert cycle.completed == 1  # it was delivered: the loss is about the bookkeeping only
+    # Published, but the row is the new owner's now: not this processor's progress (the
+    # re-poll decision counts only rows it finished).
+    assert cycle.completed == 0
     taken = await state(container, row_id)
     assert (taken.lock_token, taken.processed_on, taken.retry_count) == (thief, None, 0)
     assert registry.get_sample_value("outbox_lost_leases_total", {"source": "outbox"}) == before + 1
@@ -312,6 +314,35 @@ async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(con
     order = [r.id for r in deliverer.delivered]
     assert order == [poison, poison, *rest]
     assert (await state(container, poison)).dead_letter_reason == "retries_exhausted"
+
+
+async def test_a_replayed_head_waits_while_a_later_row_of_its_key_is_in_flight(container: Container) -> None:
+    """A dead-lettered head releases its key, so the next row of the key runs. Replaying the
+    dead letter while that row is in flight must not put two rows of one key in flight at once
+    (on two processors): the replayed row is claimed only once its key-mate has finished."""
+    clock = FakeClock()
+    poison, later = await insert_rows(container, [row("kit.k.v1", clock.now, key="k") for _ in range(2)])
+    in_flight, finish = asyncio.Event(), asyncio.Event()
+
+    async def poison_fails_later_hangs(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == poison:
+            raise ValueError("poison")
+        in_flight.set()
+        await finish.wait()
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(poison_fails_later_hangs), clock, max_retries=1)
+    await source.run_cycle()
+    assert (await state(container, poison)).dead_letter_reason == "retries_exhausted"
+    first = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(in_flight.wait(), 10)
+    await container.admin().replay("outbox", [str(poison)], actor="test")
+    replica = outbox_source(container, ScriptedDeliverer(), clock)
+    assert await replica.claim(uuid.uuid4()) == [], "two rows of key 'k' in flight at once"
+    finish.set()
+    await first
+    assert (await state(container, later)).processed_on is not None
+    assert [claimed.id for claimed in await replica.claim(uuid.uuid4())] == [poison]
 
 
 async def test_a_hot_key_does_not_starve_unrelated_rows(container: Container) -> None:

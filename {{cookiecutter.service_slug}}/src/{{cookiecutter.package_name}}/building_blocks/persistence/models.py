@@ -25,7 +25,7 @@ JSON_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
 def polled_table_args(table: str) -> tuple[Any, ...]:
-    """Indexes of a polled table: the claim's three, the smart wait's two, cleanup's two."""
+    """Indexes of a polled table: the claim's four, the smart wait's two, cleanup's two."""
 
     def partial(name: str, *columns: str, where: str) -> sa.Index:
         return sa.Index(
@@ -40,6 +40,12 @@ def polled_table_args(table: str) -> tuple[Any, ...]:
         partial("pending_keyless", "seq", where=f"{PENDING} AND ordering_key IS NULL"),
         partial("pending_keyed_seq", "seq", where=f"{PENDING} AND ordering_key IS NOT NULL"),
         partial("pending_key_seq", "ordering_key", "seq", where=f"{PENDING} AND ordering_key IS NOT NULL"),
+        # Keys with a row in flight: few rows (only live leases), probed once per claimed head.
+        partial(
+            "pending_leased_key",
+            "ordering_key",
+            where=f"{PENDING} AND ordering_key IS NOT NULL AND lock_token IS NOT NULL",
+        ),
         partial("pending_locked", "locked_until", where=f"{PENDING} AND locked_until IS NOT NULL"),
         partial("pending_available", "available_on", where=f"{PENDING} AND locked_until IS NULL"),
         partial("processed_age", "processed_on", where="processed_on IS NOT NULL"),

@@ -13,6 +13,10 @@ The shape is the "windowed head claim" of ``notes/claim-sql.md``:
   the same key is still pending (``NOT EXISTS``). The guard sits inside the claim, so it holds
   across replicas; only a key's lowest pending row can pass it, so a batch never holds two rows
   of one key; a leased or backing-off head keeps blocking; a dead-lettered head releases the key.
+* a head is not claimable while **another row of its key is in flight** (leased, lease not
+  over). Only a replayed dead letter can be a head behind a row already running (the dead letter
+  had released its key), and one key must never have two deliveries at once. The check probes a
+  small partial index of leased keyed rows, so it costs one index lookup per head.
 * heads are looked for in a bounded **window** of the oldest claimable keyed rows; only when the
   window yields fewer heads than the batch does a loose index scan over the distinct pending keys
   run, so a key with thousands of pending rows cannot fill the batch and starve other keys.
@@ -46,6 +50,18 @@ def _free_and_due(t: sa.FromClause) -> sa.ColumnElement[bool]:
     return sa.and_(
         sa.or_(t.c.locked_until.is_(None), t.c.locked_until < now),
         t.c.available_on <= now,
+    )
+
+
+def _no_key_mate_in_flight(table: sa.Table, t: sa.FromClause) -> sa.ColumnElement[bool]:
+    # Written to match the partial index ``pending_leased_key``'s predicate.
+    mate = table.alias("mate")
+    return ~sa.exists().where(
+        mate.c.ordering_key == t.c.ordering_key,
+        mate.c.ordering_key.is_not(None),
+        mate.c.lock_token.is_not(None),
+        _pending(mate),
+        mate.c.locked_until >= sa.bindparam("now", type_=UTCDateTime()),
     )
 
 
@@ -127,7 +143,7 @@ def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -
     chosen = sa.union_all(sa.select(win_heads.c.id).where(~short), sa.select(skip_heads.c.id))
     keyed = (
         sa.select(k1.c.id, k1.c.seq)
-        .where(k1.c.id.in_(chosen), _pending(k1), _free_and_due(k1))
+        .where(k1.c.id.in_(chosen), _pending(k1), _free_and_due(k1), _no_key_mate_in_flight(table, k1))
         .with_for_update(skip_locked=True)
         .cte("keyed")
     )
