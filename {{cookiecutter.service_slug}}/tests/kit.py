@@ -38,7 +38,7 @@ metadata = sa.MetaData()
 COUNTERS = sa.Table(
     "kit_counters",
     metadata,
-    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("id", sa.String(200), primary_key=True),  # ids up to the longest ordering key
     sa.Column("tenant_id", sa.String(64), nullable=False),
     sa.Column("value", sa.Integer, nullable=False),
     sa.Column("version", sa.Integer, nullable=False),

@@ -22,6 +22,7 @@ from sqlmodel import select
 
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     ConcurrencyError,
+    DomainError,
     NotFoundError,
 )
 from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
@@ -498,6 +499,24 @@ async def test_a_cascade_past_the_depth_bound_is_dead_lettered(make_container: C
         "outbox_dead_letters_total", {"source": "outbox", "reason": "cascade_depth_exceeded"}
     )
     assert metric == 1.0
+
+
+async def test_the_longest_ordering_key_commits_and_a_longer_one_is_refused_before(kit: Kit) -> None:
+    """The same answer on SQLite and PostgreSQL: a key at the limit is stored (with its kind in
+    front) and delivered; one character more is refused when the event is raised, naming the
+    limit, and nothing is written."""
+    kit.on(Created, kit.recording("created"))
+    longest = "c" * 128  # the documented limit, spelled out: it is part of the contract
+    with acting_as():
+        async with kit.container.units_of_work()() as uow:
+            uow.repository(Counters).add(Counter.create("acme", longest))
+            uow.enqueue(CounterChangedV1(aggregate_id=longest, counter_id=longest, value=0))
+            await uow.commit()
+        with pytest.raises(DomainError, match="at most 128 characters"):
+            Counter.create("acme", "c" * 195)
+    keys = sorted(r.ordering_key for r in await outbox(kit.container))
+    assert keys == [f"domain:{longest}", f"integration:{longest}"]
+    assert [label for label, _ in kit.seen] == ["created"]
 
 
 async def test_a_stale_aggregate_version_is_refused(kit: Kit) -> None:

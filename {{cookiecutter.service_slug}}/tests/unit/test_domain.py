@@ -5,10 +5,16 @@ from dataclasses import dataclass
 import pytest
 
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    MAX_ORDERING_KEY_LENGTH,
     AggregateRoot,
     DomainEvent,
+    OrderingKeyTooLongError,
     applies,
     validate_event_name,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messages import (
+    IntegrationEvent,
+    InternalCommand,
 )
 
 pytestmark = pytest.mark.unit
@@ -84,3 +90,29 @@ def test_entities_are_equal_by_identity() -> None:
     assert Thing("a") == Thing("a")
     assert Thing("a") != Thing("b")
     assert len({Thing("a"), Thing("a")}) == 1
+
+
+def test_an_ordering_key_longer_than_the_limit_is_refused_when_the_event_is_made() -> None:
+    """The key is stored with its kind in a bounded column: refused here, with the limit named,
+    rather than by the database at commit (a 500 on PostgreSQL, silently kept on SQLite)."""
+    longest = "k" * MAX_ORDERING_KEY_LENGTH
+    assert Renamed(aggregate_id=longest, new_name="fits").ordering_key() == longest
+    with pytest.raises(OrderingKeyTooLongError, match=f"at most {MAX_ORDERING_KEY_LENGTH} characters"):
+        Renamed(aggregate_id=longest + "k", new_name="too long")
+    assert Noted(aggregate_id=longest * 2, text="unordered: no key, no limit").ordering_key() is None
+
+
+def test_integration_events_and_commands_refuse_an_over_long_key_too() -> None:
+    class Shipped(IntegrationEvent, name="tests.shipped.v1", ordered=True):
+        pass
+
+    class Remind(InternalCommand, name="tests.remind.v1"):
+        customer: str
+
+        def ordering_key(self) -> str | None:
+            return self.customer
+
+    with pytest.raises(OrderingKeyTooLongError, match="tests.shipped.v1"):
+        Shipped(aggregate_id="s" * 200)
+    with pytest.raises(OrderingKeyTooLongError, match="tests.remind.v1"):
+        Remind(customer="c" * 200)

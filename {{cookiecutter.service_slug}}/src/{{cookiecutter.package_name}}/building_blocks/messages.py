@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .domain.events import Message, utc_now
+from .domain.events import Message, check_ordering_key, utc_now
 
 
-class IntegrationEvent(Message, BaseModel):
-    """A fact published to other services. Delivered only by the outbox processor."""
+class _ModelMessage(Message, BaseModel):
+    """What both pydantic message kinds share: frozen, tolerant of new fields, a checked key."""
 
     model_config = ConfigDict(frozen=True, extra="ignore")
+
+    def model_post_init(self, _context: Any, /) -> None:  # noqa: ANN401 (pydantic's signature)
+        check_ordering_key(self)
+
+
+class IntegrationEvent(_ModelMessage):
+    """A fact published to other services. Delivered only by the outbox processor."""
 
     event_id: uuid.UUID = Field(default_factory=uuid.uuid4)
     occurred_on: datetime = Field(default_factory=utc_now)
@@ -31,9 +39,7 @@ class IntegrationEvent(Message, BaseModel):
         return self.aggregate_id if self.ordered else None
 
 
-class InternalCommand(Message, BaseModel):
+class InternalCommand(_ModelMessage):
     """A deferred instruction to this service itself (ADR-114), run by its own processor."""
-
-    model_config = ConfigDict(frozen=True, extra="ignore")
 
     command_id: uuid.UUID = Field(default_factory=uuid.uuid4)

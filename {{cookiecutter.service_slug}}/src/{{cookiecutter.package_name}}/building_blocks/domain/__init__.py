@@ -7,9 +7,16 @@ every change is an event and an event-store persistence can be added without rew
 
 from .aggregate import AggregateRoot, Entity, applies
 from .errors import ConcurrencyError, DomainError, NotFoundError
-from .events import DomainEvent, Message, validate_event_name
+from .events import (
+    MAX_ORDERING_KEY_LENGTH,
+    DomainEvent,
+    Message,
+    OrderingKeyTooLongError,
+    validate_event_name,
+)
 
 __all__ = [
+    "MAX_ORDERING_KEY_LENGTH",
     "AggregateRoot",
     "ConcurrencyError",
     "DomainError",
@@ -17,6 +24,7 @@ __all__ = [
     "Entity",
     "Message",
     "NotFoundError",
+    "OrderingKeyTooLongError",
     "applies",
     "validate_event_name",
 ]

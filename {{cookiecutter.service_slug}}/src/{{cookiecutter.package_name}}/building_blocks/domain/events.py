@@ -9,7 +9,9 @@ Every message class declares its name when it is defined::
 The stored name, never the Python qualname, is what outbox rows and broker headers carry, so a
 class can be renamed or moved without orphaning rows already written. ``ordered=True`` makes the
 aggregate id the event's ordering key: the processor never delivers it before an earlier event
-with the same key.
+with the same key. A key is at most ``MAX_ORDERING_KEY_LENGTH`` characters, checked when the
+message is made: the outbox stores it (with its kind in front) in a bounded column, and a key
+refused by the database at commit would fail the whole business transaction.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import ClassVar
 
+from .errors import DomainError
+
+MAX_ORDERING_KEY_LENGTH = 128
 _NAME = re.compile(r"[a-z][a-z0-9-]*(?:\.[a-z][a-z0-9-]*)+\.v[1-9][0-9]*")
 
 
@@ -32,6 +37,24 @@ def validate_event_name(name: str) -> str:
         )
         raise ValueError(msg)
     return name
+
+
+class OrderingKeyTooLongError(DomainError):
+    """A message's ordering key is longer than the outbox stores (answered as 422 by the API)."""
+
+    def __init__(self, message_name: str, length: int) -> None:
+        super().__init__(
+            f"the ordering key of {message_name} is {length} characters; at most "
+            f"{MAX_ORDERING_KEY_LENGTH} characters are allowed (MAX_ORDERING_KEY_LENGTH)",
+            code="invalid",
+        )
+
+
+def check_ordering_key(message: Message) -> None:
+    """Refuse a message whose ordering key the outbox cannot store (called when it is made)."""
+    key = message.ordering_key()
+    if key is not None and len(key) > MAX_ORDERING_KEY_LENGTH:
+        raise OrderingKeyTooLongError(message.message_name, len(key))
 
 
 def utc_now() -> datetime:
@@ -69,6 +92,9 @@ class DomainEvent(Message):
     aggregate_id: str
     event_id: uuid.UUID = field(default_factory=uuid.uuid4)
     occurred_on: datetime = field(default_factory=utc_now)
+
+    def __post_init__(self) -> None:
+        check_ordering_key(self)
 
     def ordering_key(self) -> str | None:
         return self.aggregate_id if self.ordered else None
