@@ -169,10 +169,11 @@ class AuthSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen."""
+    """Where `run` and `api` listen, and the largest request body they read."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=1_048_576, ge=1)
 
 
 class LoggingSettings(BaseModel):

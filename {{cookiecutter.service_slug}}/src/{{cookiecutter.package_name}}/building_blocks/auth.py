@@ -15,6 +15,10 @@ import jwt
 from .clock import Clock
 from .context import MAX_TENANT_LENGTH, MAX_USER_LENGTH
 
+# Far above any token this service mints (three short claims); a longer one is refused before
+# it is decoded, so an oversized header costs no base64 and JSON work.
+MAX_TOKEN_LENGTH = 8192
+
 
 class InvalidTokenError(ValueError):
     """The bearer token is missing a claim, expired, or not signed with our secret."""
@@ -65,6 +69,9 @@ class TokenService:
         return jwt.encode(claims, self._secret, algorithm=self._algorithm)
 
     def verify(self, token: str) -> Identity:
+        if len(token) > MAX_TOKEN_LENGTH:
+            msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
+            raise InvalidTokenError(msg)
         try:
             claims = jwt.decode(
                 token,

@@ -11,7 +11,13 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from ..building_blocks.context import RequestContext
-from ..building_blocks.outbox.admin import AdminError, OutboxAdministration, RowNotFoundError
+from ..building_blocks.outbox.admin import (
+    MAX_OFFSET,
+    MAX_PAGE,
+    AdminError,
+    OutboxAdministration,
+    RowNotFoundError,
+)
 from ..building_blocks.web import require_role
 
 
@@ -39,8 +45,8 @@ def build_admin_router(admin_role: str) -> APIRouter:
         _admin: Admin,
         service: Service,
         source: str | None = None,
-        offset: Annotated[int, Query(ge=0)] = 0,
-        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
     ) -> list[dict[str, Any]]:
         try:
             return [asdict(d) for d in await service.list_dead_letters(source, offset=offset, limit=limit)]

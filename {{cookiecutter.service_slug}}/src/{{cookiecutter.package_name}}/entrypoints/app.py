@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..about import DESCRIPTION, SERVICE_NAME
+from ..building_blocks.http_edge import RequestEdgeMiddleware
 from ..building_blocks.messaging.asyncapi import asyncapi_document
 from ..building_blocks.web import RequestContextMiddleware, install_error_handlers
 from ..container import Container, startup_diagnostics
@@ -46,6 +47,8 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.state.container = container
     app.state.units_of_work = container.units_of_work()
     app.state.outbox_admin = container.admin()
+    # Added first, so it runs inside the context middleware: its 413/422 carry the correlation id.
+    app.add_middleware(RequestEdgeMiddleware, max_body_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
 

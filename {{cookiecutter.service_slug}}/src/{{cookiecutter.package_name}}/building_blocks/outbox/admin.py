@@ -27,6 +27,9 @@ from ..polling.leases import PAUSED_PREFIX
 from .sources import SOURCES, SourceTable, UnknownSourceError, source_named
 
 MAX_PAGE = 500
+# Paging past this many dead letters by offset is not a use: filter by source, or replay first.
+# (Each source is read up to offset + limit rows, so the cap also bounds one request's work.)
+MAX_OFFSET = 10_000
 
 
 class AdminError(ValueError):
@@ -127,8 +130,8 @@ class OutboxAdministration:
         self, source: str | None = None, *, offset: int = 0, limit: int = 50
     ) -> list[DeadLetter]:
         """Dead letters, oldest first, paged; one source or all of them."""
-        if offset < 0 or not 1 <= limit <= MAX_PAGE:
-            msg = f"offset must be >= 0 and limit between 1 and {MAX_PAGE}"
+        if not 0 <= offset <= MAX_OFFSET or not 1 <= limit <= MAX_PAGE:
+            msg = f"offset must be between 0 and {MAX_OFFSET} and limit between 1 and {MAX_PAGE}"
             raise AdminError(msg)
         found: list[DeadLetter] = []
         async with self._db.session() as session:
