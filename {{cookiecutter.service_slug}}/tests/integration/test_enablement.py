@@ -44,7 +44,15 @@ def test_a_broker_with_the_outbox_explicitly_off_refuses_to_start() -> None:
 
 def test_production_refuses_dev_tokens() -> None:
     result = run_cli(
-        "token", "--tenant", "t", "--user", "u", ENVIRONMENT="production", AUTH__JWT_SECRET="x" * 40
+        "token",
+        "--tenant",
+        "t",
+        "--user",
+        "u",
+        ENVIRONMENT="production",
+        AUTH__JWT_SECRET="x" * 40,
+        AUTH__JWT_ISSUER="https://id.example",
+        AUTH__JWT_AUDIENCE="order-service",
     )
     assert result.returncode == 2
     assert "refused in production" in result.stderr
