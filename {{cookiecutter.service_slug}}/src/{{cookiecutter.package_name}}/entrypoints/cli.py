@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import ipaddress
 import json
 import signal
 import sys
@@ -22,7 +23,7 @@ from pydantic import ValidationError
 from ..about import SERVICE_NAME
 from ..building_blocks.outbox.admin import AdminError, OutboxAdministration
 from ..container import Container, build_container
-from ..settings import Settings
+from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
 
 if TYPE_CHECKING:
@@ -107,6 +108,26 @@ def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: b
         f"  Docs: {base}/docs   Metrics: {base}/metrics   AsyncAPI: {base}/asyncapi",
     ]
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
+        return False
+
+
+def _refuse_the_published_secret_beyond_loopback(settings: Settings, host: str) -> None:
+    """The default JWT secret is in the template for everyone to read: with it, anyone could
+    mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
+    if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):
+        msg = (
+            f"AUTH__JWT_SECRET is the published development default, served on loopback only "
+            f"(anyone could mint tokens for it): set a secret of your own to listen on {host!r}"
+        )
+        raise CliError(msg)
 
 
 def _already_stopped(_signal: int, _frame: object) -> None:
@@ -239,6 +260,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if args.command in ("run", "api"):
         host = args.host or settings.api.host
         port = settings.api.port if args.port is None else args.port
+        _refuse_the_published_secret_beyond_loopback(settings, host)
         asyncio.run(_serve(container, host, port, with_worker=args.command == "run"))
     elif args.command == "worker":
         asyncio.run(_run_worker(container))
