@@ -168,6 +168,7 @@ class AuthSettings(BaseModel):
     jwt_audience: str = ""
     token_ttl_minutes: int = Field(default=60, ge=1)
     admin_role: str = "outbox-admin"
+    operator_role: str = "outbox-operator"
 
     def refuse_in_production(self) -> None:
         """The development secret, a key shorter than its hash, or tokens not bound to an issuer

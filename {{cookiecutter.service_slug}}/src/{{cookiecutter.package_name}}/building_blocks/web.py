@@ -126,13 +126,16 @@ def authenticated(request: Request) -> RequestContext:
     return context
 
 
-def require_role(role: str) -> Callable[[Request], RequestContext]:
-    """FastAPI dependency factory: 401 without identity, 403 without ``role``."""
+def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestContext]:
+    """FastAPI dependency factory: 401 without identity, 403 without ``role`` (or one of the
+    ``alternatives``)."""
+    accepted = (role, *alternatives)
+    needed = f"role {role!r}" if not alternatives else f"one of the roles {', '.join(map(repr, accepted))}"
 
     def check(request: Request) -> RequestContext:
         context = authenticated(request)
-        if not context.has_role(role):
-            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"role {role!r} required")
+        if not any(context.has_role(r) for r in accepted):
+            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"{needed} required")
         return context
 
     return check

@@ -78,7 +78,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     async def asyncapi() -> dict[str, Any]:
         return asyncapi_document(container.registry(), container.handlers(), settings)
 
-    app.include_router(build_admin_router(settings.auth.admin_role))
+    app.include_router(build_admin_router(settings.auth.admin_role, settings.auth.operator_role))
     for module in container.modules():
         for router in module.routers:
             app.include_router(router)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
-from ..building_blocks.outbox.admin import AdminError, OutboxAdministration
+from ..building_blocks.outbox.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
 from ..container import Container, build_container
 from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
@@ -162,23 +162,28 @@ async def _with_admin(container: Container, action: Callable[[OutboxAdministrati
 
 
 def _outbox(args: argparse.Namespace, container: Container) -> None:
+    # An operator tool: every tenant unless --tenant narrows it.
+    scope = TenantScope(args.tenant) if args.tenant else EVERY_TENANT
     if args.outbox_command == "pending":
-        counts = asyncio.run(_with_admin(container, lambda a: a.count_pending(args.source)))
+        counts = asyncio.run(_with_admin(container, lambda a: a.count_pending(args.source, scope=scope)))
         _print_json([asdict(c) for c in counts])
     elif args.outbox_command == "dead-letters":
         letters = asyncio.run(
             _with_admin(
-                container, lambda a: a.list_dead_letters(args.source, offset=args.offset, limit=args.limit)
+                container,
+                lambda a: a.list_dead_letters(args.source, offset=args.offset, limit=args.limit, scope=scope),
             )
         )
         _print_json([asdict(d) for d in letters])
     elif args.outbox_command == "replay":
         result = asyncio.run(
-            _with_admin(container, lambda a: a.replay(args.source, args.ids, actor=args.actor))
+            _with_admin(container, lambda a: a.replay(args.source, args.ids, actor=args.actor, scope=scope))
         )
         _print_json(asdict(result))
     elif args.outbox_command == "explain":
-        explanation = asyncio.run(_with_admin(container, lambda a: a.explain(args.source, args.id)))
+        explanation = asyncio.run(
+            _with_admin(container, lambda a: a.explain(args.source, args.id, scope=scope))
+        )
         _print_json(asdict(explanation))
 
 
@@ -249,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain = outbox.add_parser("explain", help="say why a row is or is not moving")
     explain.add_argument("--source", default="outbox")
     explain.add_argument("id")
+    for command in (pending, letters, replay, explain):
+        command.add_argument("--tenant", default=None, help="only this tenant's rows (default: every tenant)")
     return parser
 
 
