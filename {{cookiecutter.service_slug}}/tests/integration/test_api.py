@@ -166,3 +166,18 @@ async def test_a_token_whose_identity_holds_control_characters_is_401(container:
         "clean": 200,
     }
     assert "must not contain control characters" in answers["crlf tenant"].json()["detail"]
+
+
+async def test_readyz_masks_credentials_in_the_errors_it_shows(
+    container: Container, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable() -> None:
+        raise ConnectionError("cannot reach postgresql+asyncpg://app:s3cret-pw@db.internal:5432/app")
+
+    monkeypatch.setattr(container.database(), "ping", unreachable)
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        ready = await client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["checks"]["database"] == (
+        "error: ConnectionError: cannot reach postgresql+asyncpg://app:***@db.internal:5432/app"
+    )

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..about import DESCRIPTION, SERVICE_NAME
 from ..building_blocks.http_edge import RequestEdgeMiddleware
 from ..building_blocks.messaging.asyncapi import asyncapi_document
+from ..building_blocks.redaction import mask_credentials
 from ..building_blocks.web import RequestContextMiddleware, install_error_handlers
 from ..container import Container, startup_diagnostics
 from .admin_api import build_admin_router
@@ -64,7 +65,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
                 await probe()
                 checks[name] = "ok"
             except Exception as error:  # noqa: BLE001 (reported, not raised)
-                checks[name] = f"error: {type(error).__name__}: {error}"
+                checks[name] = f"error: {type(error).__name__}: {mask_credentials(str(error))}"
         ready = all(value == "ok" for value in checks.values())
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "checks": checks}, status_code=200 if ready else 503

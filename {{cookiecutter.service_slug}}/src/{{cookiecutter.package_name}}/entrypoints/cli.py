@@ -11,6 +11,7 @@ import asyncio
 import getpass
 import ipaddress
 import json
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
 from ..building_blocks.outbox.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
+from ..building_blocks.redaction import install_credential_masking, mask_credentials
 from ..container import Container, build_container
 from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
@@ -71,7 +73,7 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
     )
     server = uvicorn.Server(config)
     if settings.environment.value == "development":
-        _print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
+        print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -82,7 +84,7 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
 ORDER_EXAMPLE = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'
 
 
-def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
+def print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
     """What is running and what to try first (development mode only)."""
     package = __package__.rpartition(".")[0]
     token = f"TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice --roles outbox-admin)"
@@ -100,7 +102,7 @@ def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: b
     lines = [
         (
             f"{SERVICE_NAME} on {base} ({'API + worker' if with_worker else 'API only'}; "
-            f"{settings.database.url}; transport {settings.message_bus.transport.value}; "
+            f"{mask_credentials(settings.database.url)}; transport {settings.message_bus.transport.value}; "
             f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'})."
         ),
         f"  Try:  {token}",
@@ -263,6 +265,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = _settings()
     configure_logging(settings.logging)
+    install_credential_masking(logging.getLogger())
     container = build_container(settings)
     if args.command in ("run", "api"):
         host = args.host or settings.api.host
