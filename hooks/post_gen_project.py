@@ -3,12 +3,18 @@
 Standard library only, no package manager, no git: the hook must work on any machine that can
 run cookiecutter. Every removal comes from one declarative table (answer -> paths), so adding an
 optional part means adding one row, not another branch.
+
+`.env` is `.env.example` with fresh random development secrets: the example publishes its values
+(anyone who read the template knows them), so a service using them would accept tokens minted
+by anyone. Each generated service gets its own JWT secret and message signing key instead.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 ANSWERS = json.loads(
@@ -38,6 +44,30 @@ REMOVALS: tuple[tuple[str, object, tuple[str, ...]], ...] = (
 )
 
 
+def fresh_secret() -> str:
+    """64 URL-safe characters (384 random bits): above what production asks of any HS key."""
+    return secrets.token_urlsafe(48)
+
+
+# setting -> its .env value, made from the published one (a signing key keeps its key id, which
+# MESSAGE_BUS__SIGNING_KEY_ID names).
+GENERATED_SECRETS: dict[str, Callable[[str], str]] = {
+    "AUTH__JWT_SECRET": lambda _published: fresh_secret(),
+    "MESSAGE_BUS__SIGNING_KEYS": lambda published: f"{published.partition(':')[0]}:{fresh_secret()}",
+}
+
+
+def write_env(example: Path, env: Path) -> None:
+    """Copy ``example`` to ``env`` (readable by its owner only) with every secret generated."""
+    lines = []
+    for line in example.read_text(encoding="utf-8").splitlines(keepends=True):
+        name, separator, published = line.rstrip("\n").partition("=")
+        generated = separator and name in GENERATED_SECRETS
+        lines.append(f"{name}={GENERATED_SECRETS[name](published)}\n" if generated else line)
+    env.touch(mode=0o600)
+    env.write_text("".join(lines), encoding="utf-8")
+
+
 def remove(path: Path) -> None:
     """Delete a file or a whole folder; a path that is already gone is not an error."""
     if path.is_dir():
@@ -55,7 +85,7 @@ def main() -> None:
                     remove(path)
     env, example = root / ".env", root / ".env.example"
     if example.exists() and not env.exists():
-        shutil.copyfile(example, env)
+        write_env(example, env)
     print(
         f"\nCreated {ANSWERS['service_slug']}. Next steps:\n"
         f"  cd {ANSWERS['service_slug']}\n"

@@ -141,9 +141,10 @@ def test_the_recorded_answers_replay_to_the_same_project(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr
     for path in project.rglob("*"):
-        if path.is_file():
+        if path.is_file() and path.name != ".env":  # .env holds fresh secrets on every generation
             twin = replayed / project.name / path.relative_to(project)
             assert path.read_bytes() == twin.read_bytes(), path
+    assert (replayed / project.name / ".env").is_file()
 
 
 def test_an_empty_service_name_is_one_line(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ import re
 import shutil
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from datetime import UTC, datetime, timedelta
@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
+from fastapi import APIRouter
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
@@ -297,18 +298,24 @@ class FakeClock:
 
 
 @asynccontextmanager
-async def live_server(container: Container, *, with_worker: bool = True) -> AsyncIterator[str]:
-    """The app on a real uvicorn server (lifespan included), on a free port of this loop."""
+async def live_server(
+    container: Container, *, with_worker: bool = True, routers: Sequence[APIRouter] = ()
+) -> AsyncIterator[str]:
+    """The app on a real uvicorn server (lifespan included), on a free port of this loop;
+    ``routers`` stand for a context a user adds later (the app's edge must cover it too)."""
     import uvicorn
 
     from {{ cookiecutter.package_name }}.entrypoints.app import (
         create_app,
     )
 
+    app = create_app(container, with_worker=with_worker)
+    for router in routers:
+        app.include_router(router)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(container, with_worker=with_worker),
+            app,
             host="127.0.0.1",
             port=port,
             log_config=None,

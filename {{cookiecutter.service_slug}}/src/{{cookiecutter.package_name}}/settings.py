@@ -41,6 +41,8 @@ DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (ref
 # The signing key .env.example ships with, and the shortest key production accepts.
 EXAMPLE_SIGNING_SECRET = "change-me-local-signing-key"  # noqa: S105 (refused in production)
 MIN_PRODUCTION_KEY_LENGTH = 16
+# RFC 7518 section 3.2: an HMAC key at least as long as the hash output.
+MIN_JWT_SECRET_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 
 
 class ApplicationSettings(BaseModel):
@@ -166,13 +168,34 @@ class AuthSettings(BaseModel):
     jwt_audience: str = ""
     token_ttl_minutes: int = Field(default=60, ge=1)
     admin_role: str = "outbox-admin"
+    operator_role: str = "outbox-operator"
+
+    def refuse_in_production(self) -> None:
+        """The development secret, a key shorter than its hash, or tokens not bound to an issuer
+        and an audience (any service sharing the secret could mint ours) are refused."""
+        secret = self.jwt_secret.get_secret_value()
+        if secret == DEV_JWT_SECRET:
+            msg = "AUTH__JWT_SECRET must be set in production"
+            raise ValueError(msg)
+        minimum = MIN_JWT_SECRET_BYTES.get(self.jwt_algorithm, MIN_JWT_SECRET_BYTES["HS256"])
+        if len(secret.encode()) < minimum:
+            msg = (
+                f"AUTH__JWT_SECRET must be at least {minimum} bytes for {self.jwt_algorithm}, "
+                f"got {len(secret.encode())} (RFC 7518 3.2)"
+            )
+            raise ValueError(msg)
+        for name, value in (("jwt_issuer", self.jwt_issuer), ("jwt_audience", self.jwt_audience)):
+            if not value:
+                msg = f"AUTH__{name.upper()} must be set in production (every token is checked against it)"
+                raise ValueError(msg)
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen."""
+    """Where `run` and `api` listen, and the largest request body they read."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=1_048_576, ge=1)
 
 
 class LoggingSettings(BaseModel):
@@ -234,9 +257,7 @@ class Settings(BaseSettings):
             msg = f"MESSAGE_BUS__SIGNING_KEY_ID {bus.signing_key_id!r} is not in SIGNING_KEYS"
             raise ValueError(msg)
         if self.is_production:
-            if self.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET:
-                msg = "AUTH__JWT_SECRET must be set in production"
-                raise ValueError(msg)
+            self.auth.refuse_in_production()
             if bus.is_broker and not bus.signing_keys and not bus.allow_unsigned:
                 msg = (
                     "MESSAGE_BUS__SIGNING_KEYS must be set for a broker transport in production "

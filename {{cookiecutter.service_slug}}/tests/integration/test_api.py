@@ -141,3 +141,43 @@ async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> N
     assert unknown.status_code == 400
     assert "unknown source 'nope'" in unknown.json()["detail"]
     assert missing.status_code == 404
+
+
+async def test_a_token_whose_identity_holds_control_characters_is_401(container: Container) -> None:
+    """A CRLF in the tenant or a NUL in the user would be stored in every row the request writes
+    and copied into broker headers and log lines: the token is refused instead."""
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = {
+            label: await client.get(
+                "/admin/outbox/pending",
+                headers={
+                    "Authorization": f"Bearer {token_for(container, roles=('outbox-admin',), **claims)}"
+                },
+            )
+            for label, claims in {
+                "crlf tenant": {"tenant": "acme\r\nx"},
+                "nul user": {"user": "ali\x00ce"},
+                "clean": {},
+            }.items()
+        }
+    assert {label: answer.status_code for label, answer in answers.items()} == {
+        "crlf tenant": 401,
+        "nul user": 401,
+        "clean": 200,
+    }
+    assert "must not contain control characters" in answers["crlf tenant"].json()["detail"]
+
+
+async def test_readyz_masks_credentials_in_the_errors_it_shows(
+    container: Container, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def unreachable() -> None:
+        raise ConnectionError("cannot reach postgresql+asyncpg://app:s3cret-pw@db.internal:5432/app")
+
+    monkeypatch.setattr(container.database(), "ping", unreachable)
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        ready = await client.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["checks"]["database"] == (
+        "error: ConnectionError: cannot reach postgresql+asyncpg://app:***@db.internal:5432/app"
+    )

@@ -15,6 +15,9 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
     startup_diagnostics,
 )
+from {{ cookiecutter.package_name }}.settings import (
+    DEV_JWT_SECRET,
+)
 
 from ..conftest import make_settings
 
@@ -44,10 +47,49 @@ def test_a_broker_with_the_outbox_explicitly_off_refuses_to_start() -> None:
 
 def test_production_refuses_dev_tokens() -> None:
     result = run_cli(
-        "token", "--tenant", "t", "--user", "u", ENVIRONMENT="production", AUTH__JWT_SECRET="x" * 40
+        "token",
+        "--tenant",
+        "t",
+        "--user",
+        "u",
+        ENVIRONMENT="production",
+        AUTH__JWT_SECRET="x" * 40,
+        AUTH__JWT_ISSUER="https://id.example",
+        AUTH__JWT_AUDIENCE="order-service",
     )
     assert result.returncode == 2
     assert "refused in production" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("arguments", "env"),
+    [
+        (["api", "--host", "0.0.0.0"], {}),  # noqa: S104 (the address being refused)
+        (["run", "--host", "::"], {}),
+        (["api"], {"API__HOST": "0.0.0.0"}),  # noqa: S104
+    ],
+)
+def test_the_published_jwt_secret_is_never_served_beyond_loopback(
+    tmp_path: Path, arguments: list[str], env: dict[str, str]
+) -> None:
+    """Anyone who read the template knows the default secret and could mint an admin token:
+    with it, `run` and `api` listen on loopback only (one line, exit 2, nothing started)."""
+    clean = {k: v for k, v in os.environ.items() if "__" not in k}
+    result = subprocess.run(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}", *arguments, "--port", "0"],
+        cwd=PROJECT,
+        env=clean
+        | env
+        | {"AUTH__JWT_SECRET": DEV_JWT_SECRET, "DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"},
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: AUTH__JWT_SECRET is the published development default")
+    assert "loopback" in line
 
 
 def test_the_inbox_off_with_a_broker_warns_once(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -34,6 +34,8 @@ def start(command: str, url: str, *args: str) -> subprocess.Popen[str]:
         "OUTBOX__POLLING_INTERVAL_SECONDS": "0.5",
         # The API process only writes: the worker process must be the one that delivers.
         "OUTBOX__IMMEDIATE_DISPATCH": "false",
+        # The project's .env holds a secret of its own: sign and verify with the test's.
+        "AUTH__JWT_SECRET": make_settings(url).auth.jwt_secret.get_secret_value(),
     }
     return subprocess.Popen(
         [sys.executable, "-m", "{{ cookiecutter.package_name }}", command, *args],

@@ -5,6 +5,7 @@ tenant, user and correlation."""
 from __future__ import annotations
 
 import asyncio
+import json
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -170,3 +171,42 @@ async def test_unknown_other_tenant_and_anonymous_requests(container: Container)
     assert (foreign.status_code, foreign_cancel.status_code, unknown.status_code) == (404, 404, 404)
     assert anonymous.status_code == 401
     assert still_placed.json()["status"] == "placed"
+
+
+async def test_a_total_beyond_what_an_order_can_hold_is_422_on_every_database(container: Container) -> None:
+    """10,000 x 9,999,999,999.99 fits each field but not the order's total (numeric(14,2)):
+    SQLite stored it and PostgreSQL failed with 500; the Order refuses it as a business rule."""
+    line = {"sku": "GOLD", "quantity": 10_000, "unit_price": "9999999999.99"}
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        too_much = await client.post(
+            "/orders", json={"customer_id": "c-1", "lines": [line]}, headers=auth(container)
+        )
+        largest = await client.post(
+            "/orders",
+            json={
+                "customer_id": "c-1",
+                "lines": [{**line, "quantity": 100}, {"sku": "TIP", "quantity": 1, "unit_price": "0.99"}],
+            },
+            headers=auth(container),
+        )
+    assert too_much.status_code == 422, too_much.text
+    (error,) = too_much.json()["detail"]
+    assert error["loc"] == ["body", "lines"]
+    assert "999999999999.99" in error["msg"]
+    assert largest.status_code == 201, largest.text
+    assert largest.json()["total"] == "999999999999.99"
+
+
+async def test_text_no_database_stores_alike_is_422_in_every_order_field(container: Container) -> None:
+    """NUL and an unpaired surrogate (sent as JSON escapes) in a body field, NUL in the path."""
+    headers = auth(container) | {"Content-Type": "application/json"}
+    bad_customer = json.dumps({**ORDER, "customer_id": "c\u0000"})
+    bad_sku = json.dumps({**ORDER, "lines": [{**ORDER["lines"][0], "sku": "\ud800"}]})
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = [
+            await client.post("/orders", content=bad_customer, headers=headers),
+            await client.post("/orders", content=bad_sku, headers=headers),
+            await client.get("/orders/o%00x", headers=headers),
+            await client.post("/orders/o%00x/cancel", json={"reason": "r"}, headers=headers),
+        ]
+    assert [a.status_code for a in answers] == [422, 422, 422, 422], [a.text for a in answers]

@@ -470,7 +470,7 @@ async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
 ) -> None:
     """Over a real HTTP server: the replay is recorded as the token's subject (not a name the
     body chose), explain follows the row, and mistakes get 404/400/422 with the reason."""
-    (dead,) = await dead_letter(container, 1)
+    (dead,) = await dead_letter(container, 1, tenant_id="acme")  # the token's tenant (admins are scoped)
     headers = {"Authorization": f"Bearer {token_for(container, user='ops-ann', roles=('outbox-admin',))}"}
     async with (
         live_server(container, with_worker=False) as base,

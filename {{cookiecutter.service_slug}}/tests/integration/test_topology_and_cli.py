@@ -290,3 +290,12 @@ def test_the_asyncapi_command_and_make_target_write_the_document(tmp_path: Path)
     for event in build_registry(build_modules()).classes(IntegrationEvent):
         key = event.message_name.replace(".", "_").replace("-", "_")
         assert channels[key].endswith(event.message_name), f"{event.message_name} has no channel"
+
+
+async def test_the_outbox_cli_refuses_an_offset_past_any_page_in_one_line(container: Container) -> None:
+    url = container.settings().database.url
+    answer = await asyncio.to_thread(cli, url, "dead-letters", "--offset", str(2**63))
+    assert answer.returncode == 2, answer.stderr
+    assert "Traceback" not in answer.stderr
+    (line,) = answer.stderr.strip().splitlines()
+    assert line.startswith("error: offset must be between 0 and 10000")

@@ -47,17 +47,48 @@ def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
         settings(message_bus={"transport": "kafka", "enable_outbox": False})
 
 
+# What production needs from AUTH__ (RFC 7518 3.2: an HS256 key of at least 256 bits).
+PRODUCTION_AUTH = {
+    "jwt_secret": "s" * 40,
+    "jwt_issuer": "https://id.example",
+    "jwt_audience": "order-service",
+}
+
+
 def test_production_refuses_the_dev_secret_and_unsigned_brokers() -> None:
     with pytest.raises(ValidationError, match="JWT_SECRET must be set"):
         settings(environment="production")
     with pytest.raises(ValidationError, match="SIGNING_KEYS must be set"):
-        settings(environment="production", auth={"jwt_secret": "s" * 40}, message_bus={"transport": "nats"})
+        settings(environment="production", auth=PRODUCTION_AUTH, message_bus={"transport": "nats"})
     allowed = settings(
         environment="production",
-        auth={"jwt_secret": "s" * 40},
+        auth=PRODUCTION_AUTH,
         message_bus={"transport": "nats", "allow_unsigned": True},
     )
     assert allowed.message_bus.allow_unsigned
+
+
+@pytest.mark.parametrize(
+    ("auth", "message"),
+    [
+        ({"jwt_secret": "x"}, "at least 32 bytes for HS256, got 1"),
+        ({"jwt_secret": "s" * 31}, "at least 32 bytes for HS256, got 31"),
+        ({"jwt_algorithm": "HS512"}, "at least 64 bytes for HS512, got 40"),
+    ],
+)
+def test_production_refuses_a_jwt_secret_shorter_than_its_hash(auth: dict[str, str], message: str) -> None:
+    with pytest.raises(ValidationError, match=f"AUTH__JWT_SECRET must be {message}"):
+        settings(environment="production", auth=PRODUCTION_AUTH | auth)
+    multibyte = settings(environment="production", auth=PRODUCTION_AUTH | {"jwt_secret": "\u00e9" * 16})
+    assert len(multibyte.auth.jwt_secret.get_secret_value().encode()) == 32  # counted in bytes
+
+
+@pytest.mark.parametrize("missing", ["jwt_issuer", "jwt_audience"])
+def test_production_requires_an_issuer_and_an_audience(missing: str) -> None:
+    """Tokens are checked against both when set; production must set them, so a token minted
+    for another service or by another issuer with the same secret is refused."""
+    with pytest.raises(ValidationError, match=f"AUTH__{missing.upper()} must be set in production"):
+        settings(environment="production", auth=PRODUCTION_AUTH | {missing: ""})
 
 
 @pytest.mark.parametrize("secret", ["change-me-local-signing-key", "short-secret"])
@@ -65,12 +96,12 @@ def test_production_refuses_the_example_or_a_short_signing_key(secret: str) -> N
     with pytest.raises(ValidationError, match=r"SIGNING_KEYS old: the example key or shorter than 16"):
         settings(
             environment="production",
-            auth={"jwt_secret": "s" * 40},
+            auth=PRODUCTION_AUTH,
             message_bus={"transport": "nats", "signing_keys": f"new:{'n' * 32},old:{secret}"},
         )
     strong = settings(
         environment="production",
-        auth={"jwt_secret": "s" * 40},
+        auth=PRODUCTION_AUTH,
         message_bus={"transport": "nats", "signing_keys": f"new:{'n' * 32}"},
     )
     assert list(strong.message_bus.signing_keys) == ["new"]

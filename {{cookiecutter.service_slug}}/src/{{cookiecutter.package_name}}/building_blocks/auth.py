@@ -14,6 +14,11 @@ import jwt
 
 from .clock import Clock
 from .context import MAX_TENANT_LENGTH, MAX_USER_LENGTH
+from .text import is_plain_identifier
+
+# Far above any token this service mints (three short claims); a longer one is refused before
+# it is decoded, so an oversized header costs no base64 and JSON work.
+MAX_TOKEN_LENGTH = 8192
 
 
 class InvalidTokenError(ValueError):
@@ -65,6 +70,9 @@ class TokenService:
         return jwt.encode(claims, self._secret, algorithm=self._algorithm)
 
     def verify(self, token: str) -> Identity:
+        if len(token) > MAX_TOKEN_LENGTH:
+            msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
+            raise InvalidTokenError(msg)
         try:
             claims = jwt.decode(
                 token,
@@ -93,4 +101,14 @@ class TokenService:
         if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
             msg = "invalid bearer token: 'roles' must be a list of strings"
             raise InvalidTokenError(msg)
+        _refuse_control_characters(sub=[user], tenant=[tenant], roles=roles)
         return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+
+
+def _refuse_control_characters(**claims: list[str]) -> None:
+    """The identity is copied into every row, header and log line the request causes: a CRLF
+    or NUL there would forge lines or break storage, so the whole token is refused."""
+    for claim, values in claims.items():
+        if not all(is_plain_identifier(value) for value in values):
+            msg = f"invalid bearer token: '{claim}' must not contain control characters"
+            raise InvalidTokenError(msg)

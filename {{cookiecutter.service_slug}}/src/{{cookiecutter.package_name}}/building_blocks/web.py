@@ -9,10 +9,14 @@ on :func:`authenticated`, which answers 401 with the reason. Each request runs i
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,6 +35,7 @@ from .context import (
 from .domain.errors import ConcurrencyError, DomainError, NotFoundError
 from .persistence.unit_of_work_factory import UnitOfWorkFactory
 from .telemetry import NoTracing, Span, SpanKind, Tracing
+from .text import ECHO_LIMIT, shorten
 
 log = logging.getLogger(__name__)
 CORRELATION_HEADER = "x-correlation-id"
@@ -121,13 +126,16 @@ def authenticated(request: Request) -> RequestContext:
     return context
 
 
-def require_role(role: str) -> Callable[[Request], RequestContext]:
-    """FastAPI dependency factory: 401 without identity, 403 without ``role``."""
+def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestContext]:
+    """FastAPI dependency factory: 401 without identity, 403 without ``role`` (or one of the
+    ``alternatives``)."""
+    accepted = (role, *alternatives)
+    needed = f"role {role!r}" if not alternatives else f"one of the roles {', '.join(map(repr, accepted))}"
 
     def check(request: Request) -> RequestContext:
         context = authenticated(request)
-        if not context.has_role(role):
-            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"role {role!r} required")
+        if not any(context.has_role(r) for r in accepted):
+            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"{needed} required")
         return context
 
     return check
@@ -148,7 +156,27 @@ def install_error_handlers(app: FastAPI) -> None:
             return JSONResponse({"detail": detail, "code": error.code}, status_code=code)
         return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
 
+    async def validation_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)  # noqa: S101 (registered for it only)
+        detail = [_with_short_input(e) for e in jsonable_encoder(error.errors())]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
     app.add_exception_handler(DomainError, domain_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def _with_short_input(error: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's validation error with ``input`` cut to a short prefix: a refused megabyte (or,
+    for a missing field, the whole body) is not sent back to the caller."""
+    if "input" not in error:
+        return error
+    return {**error, "input": short_echo(error["input"])}
+
+
+def short_echo(value: object) -> object:
+    """``value`` itself when its JSON form is short, else the start of that JSON form."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return value if len(text) <= ECHO_LIMIT else shorten(text)
 
 
 def units_of_work(request: Request) -> UnitOfWorkFactory:

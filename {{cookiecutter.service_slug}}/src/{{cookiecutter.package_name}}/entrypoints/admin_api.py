@@ -1,23 +1,51 @@
-"""Admin API for the outbox under ``/admin/outbox`` (role ``outbox-admin`` required).
+"""Admin API for the outbox under ``/admin/outbox``.
 
-A replay is recorded with the caller's identity (the token's subject), never a name the request
-body could choose. An unknown id is 404, any other request an operator can fix is 400.
+Two roles: ``outbox-admin`` (``AUTH__ADMIN_ROLE``) works within the token's tenant, so another
+tenant's row answers 404 exactly like a row that does not exist; the operator role
+(``AUTH__OPERATOR_ROLE``, ``outbox-operator``) sees and replays every tenant's rows, rows without
+a tenant included. A replay is recorded with the caller's identity (the token's subject), never a
+name the request body could choose. An unknown id is 404, any other request an operator can fix
+is 400.
 """
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from ..building_blocks.context import RequestContext
-from ..building_blocks.outbox.admin import AdminError, OutboxAdministration, RowNotFoundError
+from ..building_blocks.outbox.admin import (
+    EVERY_TENANT,
+    MAX_OFFSET,
+    MAX_PAGE,
+    AdminError,
+    OutboxAdministration,
+    RowNotFoundError,
+    TenantScope,
+)
 from ..building_blocks.web import require_role
 
 
-def build_admin_router(admin_role: str) -> APIRouter:
+@dataclass(frozen=True)
+class Administrator:
+    """An admin API caller and the rows it may see."""
+
+    context: RequestContext
+    scope: TenantScope
+
+
+def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
     router = APIRouter(prefix="/admin/outbox", tags=["admin"])
-    Admin = Annotated[RequestContext, Depends(require_role(admin_role))]  # noqa: N806
+    either_role = require_role(admin_role, operator_role)
+
+    def administrator(request: Request) -> Administrator:
+        context = either_role(request)
+        if context.has_role(operator_role):
+            return Administrator(context, EVERY_TENANT)
+        return Administrator(context, TenantScope(context.tenant_id))
+
+    Admin = Annotated[Administrator, Depends(administrator)]  # noqa: N806
 
     def administration(request: Request) -> OutboxAdministration:
         admin = request.app.state.outbox_admin
@@ -36,36 +64,38 @@ def build_admin_router(admin_role: str) -> APIRouter:
 
     @router.get("/dead-letters")
     async def list_dead_letters(
-        _admin: Admin,
+        admin: Admin,
         service: Service,
         source: str | None = None,
-        offset: Annotated[int, Query(ge=0)] = 0,
-        limit: Annotated[int, Query(ge=1, le=500)] = 50,
+        offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
     ) -> list[dict[str, Any]]:
         try:
-            return [asdict(d) for d in await service.list_dead_letters(source, offset=offset, limit=limit)]
+            letters = await service.list_dead_letters(source, offset=offset, limit=limit, scope=admin.scope)
+            return [asdict(d) for d in letters]
         except AdminError as error:
             raise fail(error) from error
 
     @router.post("/dead-letters/replay")
     async def replay(body: ReplayIn, admin: Admin, service: Service) -> dict[str, Any]:
         try:
-            result = await service.replay(body.source, body.ids, actor=admin.user_id or "unknown")
+            actor = admin.context.user_id or "unknown"
+            result = await service.replay(body.source, body.ids, actor=actor, scope=admin.scope)
         except AdminError as error:
             raise fail(error) from error
         return asdict(result)
 
     @router.get("/pending")
-    async def pending(_admin: Admin, service: Service, source: str | None = None) -> list[dict[str, Any]]:
+    async def pending(admin: Admin, service: Service, source: str | None = None) -> list[dict[str, Any]]:
         try:
-            return [asdict(c) for c in await service.count_pending(source)]
+            return [asdict(c) for c in await service.count_pending(source, scope=admin.scope)]
         except AdminError as error:
             raise fail(error) from error
 
     @router.get("/{source}/{row_id}/explain")
-    async def explain(source: str, row_id: str, _admin: Admin, service: Service) -> dict[str, Any]:
+    async def explain(source: str, row_id: str, admin: Admin, service: Service) -> dict[str, Any]:
         try:
-            return asdict(await service.explain(source, row_id))
+            return asdict(await service.explain(source, row_id, scope=admin.scope))
         except AdminError as error:
             raise fail(error) from error
 

@@ -14,7 +14,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..about import DESCRIPTION, SERVICE_NAME
+from ..building_blocks.http_edge import RequestEdgeMiddleware
 from ..building_blocks.messaging.asyncapi import asyncapi_document
+from ..building_blocks.redaction import mask_credentials
 from ..building_blocks.web import RequestContextMiddleware, install_error_handlers
 from ..container import Container, startup_diagnostics
 from .admin_api import build_admin_router
@@ -46,6 +48,8 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.state.container = container
     app.state.units_of_work = container.units_of_work()
     app.state.outbox_admin = container.admin()
+    # Added first, so it runs inside the context middleware: its 413/422 carry the correlation id.
+    app.add_middleware(RequestEdgeMiddleware, max_body_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
 
@@ -61,7 +65,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
                 await probe()
                 checks[name] = "ok"
             except Exception as error:  # noqa: BLE001 (reported, not raised)
-                checks[name] = f"error: {type(error).__name__}: {error}"
+                checks[name] = f"error: {type(error).__name__}: {mask_credentials(str(error))}"
         ready = all(value == "ok" for value in checks.values())
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "checks": checks}, status_code=200 if ready else 503
@@ -75,7 +79,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     async def asyncapi() -> dict[str, Any]:
         return asyncapi_document(container.registry(), container.handlers(), settings)
 
-    app.include_router(build_admin_router(settings.auth.admin_role))
+    app.include_router(build_admin_router(settings.auth.admin_role, settings.auth.operator_role))
     for module in container.modules():
         for router in module.routers:
             app.include_router(router)

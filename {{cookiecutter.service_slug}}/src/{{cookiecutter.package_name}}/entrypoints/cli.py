@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
+import ipaddress
 import json
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,9 +22,10 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
-from ..building_blocks.outbox.admin import AdminError, OutboxAdministration
+from ..building_blocks.outbox.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
+from ..building_blocks.redaction import install_credential_masking, mask_credentials
 from ..container import Container, build_container
-from ..settings import Settings
+from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
 
 if TYPE_CHECKING:
@@ -70,7 +73,7 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
     )
     server = uvicorn.Server(config)
     if settings.environment.value == "development":
-        _print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
+        print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,7 +84,7 @@ async def _serve(container: Container, host: str, port: int, *, with_worker: boo
 ORDER_EXAMPLE = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'
 
 
-def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
+def print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
     """What is running and what to try first (development mode only)."""
     package = __package__.rpartition(".")[0]
     token = f"TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice --roles outbox-admin)"
@@ -99,7 +102,7 @@ def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: b
     lines = [
         (
             f"{SERVICE_NAME} on {base} ({'API + worker' if with_worker else 'API only'}; "
-            f"{settings.database.url}; transport {settings.message_bus.transport.value}; "
+            f"{mask_credentials(settings.database.url)}; transport {settings.message_bus.transport.value}; "
             f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'})."
         ),
         f"  Try:  {token}",
@@ -107,6 +110,26 @@ def _print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: b
         f"  Docs: {base}/docs   Metrics: {base}/metrics   AsyncAPI: {base}/asyncapi",
     ]
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
+        return False
+
+
+def _refuse_the_published_secret_beyond_loopback(settings: Settings, host: str) -> None:
+    """The default JWT secret is in the template for everyone to read: with it, anyone could
+    mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
+    if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):
+        msg = (
+            f"AUTH__JWT_SECRET is the published development default, served on loopback only "
+            f"(anyone could mint tokens for it): set a secret of your own to listen on {host!r}"
+        )
+        raise CliError(msg)
 
 
 def _already_stopped(_signal: int, _frame: object) -> None:
@@ -141,23 +164,28 @@ async def _with_admin(container: Container, action: Callable[[OutboxAdministrati
 
 
 def _outbox(args: argparse.Namespace, container: Container) -> None:
+    # An operator tool: every tenant unless --tenant narrows it.
+    scope = TenantScope(args.tenant) if args.tenant else EVERY_TENANT
     if args.outbox_command == "pending":
-        counts = asyncio.run(_with_admin(container, lambda a: a.count_pending(args.source)))
+        counts = asyncio.run(_with_admin(container, lambda a: a.count_pending(args.source, scope=scope)))
         _print_json([asdict(c) for c in counts])
     elif args.outbox_command == "dead-letters":
         letters = asyncio.run(
             _with_admin(
-                container, lambda a: a.list_dead_letters(args.source, offset=args.offset, limit=args.limit)
+                container,
+                lambda a: a.list_dead_letters(args.source, offset=args.offset, limit=args.limit, scope=scope),
             )
         )
         _print_json([asdict(d) for d in letters])
     elif args.outbox_command == "replay":
         result = asyncio.run(
-            _with_admin(container, lambda a: a.replay(args.source, args.ids, actor=args.actor))
+            _with_admin(container, lambda a: a.replay(args.source, args.ids, actor=args.actor, scope=scope))
         )
         _print_json(asdict(result))
     elif args.outbox_command == "explain":
-        explanation = asyncio.run(_with_admin(container, lambda a: a.explain(args.source, args.id)))
+        explanation = asyncio.run(
+            _with_admin(container, lambda a: a.explain(args.source, args.id, scope=scope))
+        )
         _print_json(asdict(explanation))
 
 
@@ -228,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain = outbox.add_parser("explain", help="say why a row is or is not moving")
     explain.add_argument("--source", default="outbox")
     explain.add_argument("id")
+    for command in (pending, letters, replay, explain):
+        command.add_argument("--tenant", default=None, help="only this tenant's rows (default: every tenant)")
     return parser
 
 
@@ -235,10 +265,12 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = _settings()
     configure_logging(settings.logging)
+    install_credential_masking(logging.getLogger())
     container = build_container(settings)
     if args.command in ("run", "api"):
         host = args.host or settings.api.host
         port = settings.api.port if args.port is None else args.port
+        _refuse_the_published_secret_beyond_loopback(settings, host)
         asyncio.run(_serve(container, host, port, with_worker=args.command == "run"))
     elif args.command == "worker":
         asyncio.run(_run_worker(container))

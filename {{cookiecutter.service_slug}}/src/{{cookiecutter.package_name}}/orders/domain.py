@@ -2,8 +2,8 @@
 
 Every change is an event applied to the state (``_raise`` -> ``@applies``), so the events are
 the complete history of the aggregate. Invariants are checked before an event is raised: an
-order has 1-100 lines, each with a SKU, a positive quantity and a non-negative price, and a
-cancelled order cannot be cancelled again.
+order has 1-100 lines, each with a SKU, a positive quantity and a non-negative price, a total of
+at most ``MAX_TOTAL``, and a cancelled order cannot be cancelled again.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from ..building_blocks.domain import AggregateRoot, DomainError, DomainEvent, ap
 
 MAX_LINES = 100
 MAX_QUANTITY = 10_000
+# The largest total an order records (14 digits, 2 of them decimals: what the orders table and
+# the read model hold). Each line may be valid while their sum is not, so it is a rule of its own.
+MAX_TOTAL = Decimal("999999999999.99")
 
 
 class OrderStatus(StrEnum):
@@ -88,6 +91,9 @@ class Order(AggregateRoot):
             if line.unit_price < 0:
                 msg = f"line {number}: unit_price must not be negative"
                 raise InvalidOrderError(msg, ("lines", number - 1, "unit_price"))
+        if sum(line.amount for line in lines) > MAX_TOTAL:
+            msg = f"the order total must not exceed {MAX_TOTAL}"
+            raise InvalidOrderError(msg, ("lines",))
         order = cls(order_id)
         order._raise(
             OrderPlaced(aggregate_id=order_id, tenant_id=tenant_id, customer_id=customer_id, lines=lines)

@@ -1,8 +1,12 @@
 """Operating the outbox: list and replay dead letters, count pending rows, explain one row.
 
-Exposed by the admin API (role ``outbox-admin``) and the CLI. Every operation raises
-:class:`AdminError` with a readable message for an unknown source or id; none shows a payload
-(payloads can carry personal data and no replay decision depends on them).
+Exposed by the admin API and the CLI. Every operation raises :class:`AdminError` with a readable
+message for an unknown source or id; none shows a payload (payloads can carry personal data and
+no replay decision depends on them).
+
+Every operation works within a :class:`TenantScope`: the admin API passes the token's tenant
+(role ``outbox-admin``), so another tenant's row is exactly as unknown as a row that does not
+exist; the operator role and the CLI see every tenant, rows without a tenant included.
 
 Replay returns dead letters to the pending pool with ``retry_count = 0`` and the lease cleared,
 keeps ``last_error`` (the first thing anyone asks after a replay) and keeps ``occurred_on`` and
@@ -28,6 +32,26 @@ from ..polling.wake import wake_replicas
 from .sources import SOURCES, SourceTable, UnknownSourceError, source_named
 
 MAX_PAGE = 500
+# Paging past this many dead letters by offset is not a use: filter by source, or replay first.
+# (Each source is read up to offset + limit rows, so the cap also bounds one request's work.)
+MAX_OFFSET = 10_000
+
+
+@dataclass(frozen=True)
+class TenantScope:
+    """The rows a caller may see and replay: one tenant's, or every row (``tenant_id`` None)."""
+
+    tenant_id: str | None
+
+    def admits(self, table: sa.Table) -> sa.ColumnElement[bool]:
+        """A WHERE clause (a row without a tenant is admitted by the every-tenant scope only)."""
+        return sa.true() if self.tenant_id is None else table.c.tenant_id == self.tenant_id
+
+    def sees(self, tenant_id: str | None) -> bool:
+        return self.tenant_id is None or tenant_id == self.tenant_id
+
+
+EVERY_TENANT = TenantScope(None)
 
 
 class AdminError(ValueError):
@@ -125,11 +149,16 @@ class OutboxAdministration:
         self._channel = notify_channel
 
     async def list_dead_letters(
-        self, source: str | None = None, *, offset: int = 0, limit: int = 50
+        self,
+        source: str | None = None,
+        *,
+        offset: int = 0,
+        limit: int = 50,
+        scope: TenantScope = EVERY_TENANT,
     ) -> list[DeadLetter]:
         """Dead letters, oldest first, paged; one source or all of them."""
-        if offset < 0 or not 1 <= limit <= MAX_PAGE:
-            msg = f"offset must be >= 0 and limit between 1 and {MAX_PAGE}"
+        if not 0 <= offset <= MAX_OFFSET or not 1 <= limit <= MAX_PAGE:
+            msg = f"offset must be between 0 and {MAX_OFFSET} and limit between 1 and {MAX_PAGE}"
             raise AdminError(msg)
         found: list[DeadLetter] = []
         async with self._db.session() as session:
@@ -148,7 +177,7 @@ class OutboxAdministration:
                         c.tenant_id,
                         c.correlation_id,
                     )
-                    .where(c.dead_lettered_on.is_not(None))
+                    .where(c.dead_lettered_on.is_not(None), scope.admits(table.table))
                     .order_by(c.occurred_on, c.seq)
                     .limit(offset + limit)
                 )
@@ -157,7 +186,9 @@ class OutboxAdministration:
         found.sort(key=lambda d: (d.occurred_on, d.source))
         return found[offset : offset + limit]
 
-    async def replay(self, source: str, ids: Sequence[str], *, actor: str) -> ReplayResult:
+    async def replay(
+        self, source: str, ids: Sequence[str], *, actor: str, scope: TenantScope = EVERY_TENANT
+    ) -> ReplayResult:
         """Return dead letters to the pending pool (all or nothing) and record the replay."""
         table = _one_source(source, "replay")
         wanted = _parse_ids(ids)
@@ -166,7 +197,7 @@ class OutboxAdministration:
         async with self._db.session() as session:
             rows = (
                 await session.exec(  # type: ignore[call-overload]
-                    sa.select(c.id, c.dead_lettered_on).where(c.id.in_(wanted))
+                    sa.select(c.id, c.dead_lettered_on).where(c.id.in_(wanted), scope.admits(table.table))
                 )
             ).all()
             states = {row[0]: row[1] for row in rows}
@@ -181,7 +212,7 @@ class OutboxAdministration:
             replayed = (
                 await session.exec(
                     sa.update(table.table)
-                    .where(c.id.in_(wanted), c.dead_lettered_on.is_not(None))
+                    .where(c.id.in_(wanted), c.dead_lettered_on.is_not(None), scope.admits(table.table))
                     .values(
                         dead_lettered_on=None,
                         dead_letter_reason=None,
@@ -209,7 +240,9 @@ class OutboxAdministration:
         self._wake()
         return ReplayResult(table.name, replayed_ids, actor, now)
 
-    async def count_pending(self, source: str | None = None) -> list[PendingCount]:
+    async def count_pending(
+        self, source: str | None = None, *, scope: TenantScope = EVERY_TENANT
+    ) -> list[PendingCount]:
         """Rows not yet delivered (leased ones included), per source, right now."""
         counts: list[PendingCount] = []
         now = self._clock()
@@ -221,19 +254,21 @@ class OutboxAdministration:
                     sa.func.count().filter(pending),
                     sa.func.count().filter(pending, c.lock_token.is_not(None), c.locked_until > now),
                     sa.func.count().filter(c.dead_lettered_on.is_not(None)),
-                )
+                ).where(scope.admits(table.table))
                 total, leased, dead = (await session.exec(statement)).one()  # type: ignore[call-overload]
                 counts.append(PendingCount(table.name, int(total), int(leased), int(dead)))
         return counts
 
-    async def explain(self, source: str, row_id: str) -> Explanation:
+    async def explain(self, source: str, row_id: str, *, scope: TenantScope = EVERY_TENANT) -> Explanation:
         """Say why one row is or is not moving."""
         table = _one_source(source, "explain")
         (wanted,) = _parse_ids([row_id])
         c = table.table.c
         now = self._clock()
         async with self._db.session() as session:
-            row = (await session.exec(sa.select(table.table).where(c.id == wanted))).first()  # type: ignore[call-overload]
+            row = (
+                await session.exec(sa.select(table.table).where(c.id == wanted, scope.admits(table.table)))  # type: ignore[call-overload]
+            ).first()
             if row is None:
                 msg = f"no {table.name} row has id {row_id}"
                 raise RowNotFoundError(msg)
@@ -241,7 +276,7 @@ class OutboxAdministration:
             if row.ordering_key is not None and row.processed_on is None and row.dead_lettered_on is None:
                 blocker = (
                     await session.exec(  # type: ignore[call-overload]
-                        sa.select(c.id, c.seq)
+                        sa.select(c.id, c.seq, c.tenant_id)
                         .where(
                             c.ordering_key == row.ordering_key,
                             c.seq < row.seq,
@@ -252,7 +287,7 @@ class OutboxAdministration:
                         .limit(1)
                     )
                 ).first()
-        state, detail = _diagnose(row, blocker, now)
+        state, detail = _diagnose(row, _blocker_named(blocker, scope), now)
         facts = {
             "seq": row.seq,
             "ordering_key": row.ordering_key,
@@ -278,7 +313,17 @@ class OutboxAdministration:
         )
 
 
-def _diagnose(row: Any, blocker: Any, now: datetime) -> tuple[str, str]:  # noqa: ANN401, PLR0911
+def _blocker_named(blocker: Any, scope: TenantScope) -> str | None:  # noqa: ANN401 (a Row)
+    """The row a keyed row waits for, named only when the caller may see it (ordering keys can
+    cross tenants; the wait is a fact about the caller's row, the other row is not theirs)."""
+    if blocker is None:
+        return None
+    if scope.sees(blocker.tenant_id):
+        return f"row {blocker.id} (seq {blocker.seq})"
+    return "an earlier row of another tenant"
+
+
+def _diagnose(row: Any, blocker: str | None, now: datetime) -> tuple[str, str]:  # noqa: ANN401, PLR0911
     if row.processed_on is not None:
         return "processed", f"processed at {row.processed_on.isoformat()}"
     if row.dead_lettered_on is not None:
@@ -288,7 +333,7 @@ def _diagnose(row: Any, blocker: Any, now: datetime) -> tuple[str, str]:  # noqa
         )
     if blocker is not None:
         return "blocked", (
-            f"blocked behind row {blocker[0]} (seq {blocker[1]}) on ordering key "
+            f"blocked behind {blocker} on ordering key "
             f"{row.ordering_key!r}; it moves once that row is processed or dead-lettered"
         )
     if row.locked_until is not None and row.locked_until > now:
