@@ -7,6 +7,8 @@ tests/integration/test_brokers.py.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -36,7 +38,12 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
 from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
     EndpointNames,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
+    undecoded_body,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.kafka import (
+    ATTEMPT,
+    NOT_BEFORE,
     KafkaDelivery,
     KafkaTopologyError,
     KafkaTransport,
@@ -73,17 +80,19 @@ def capture_dead_letters(container: Container, transport: str) -> list[dict[str,
         del body
         captured.append({k: str(v) for k, v in (message.headers or {}).items()})
 
+    raw = {"decoder": undecoded_body}  # a dead letter's body may be anything
     if transport == "nats":
         from faststream.nats import JStream
 
         subscriber = broker.subscriber(
             names.dead_letter_subject("kit.observer"),
             stream=JStream(names.stream("dead_letters"), declare=False),
+            **raw,
         )
     elif transport == "redis":
-        subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"))
+        subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"), **raw)
     else:
-        subscriber = broker.subscriber(names.dead_letters("kit.observer"))
+        subscriber = broker.subscriber(names.dead_letters("kit.observer"), **raw)
     from faststream import Context
 
     async def handler(body: Any, message: Any = Context("message")) -> None:
@@ -314,3 +323,60 @@ async def test_kafka_topics_owned_by_the_platform_are_left_alone() -> None:
     transport, consumers = kafka_transport(admin, kafka_create_topics=False)
     await transport.declare(consumers)
     assert admin.created == []
+
+
+UNREADABLE_BODIES = {
+    "huge-int": b'{"counter_id": "c", "value": ' + b"9" * 5000 + b"}",  # past int's 4300 digits
+    "deep": b"[" * 100_000 + b"]" * 100_000,  # RecursionError in json
+}
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+@pytest.mark.parametrize("body", UNREADABLE_BODIES.values(), ids=UNREADABLE_BODIES.keys())
+async def test_a_signed_but_unreadable_body_is_dead_lettered_as_malformed(
+    transport: str, body: bytes, sqlite_url: str
+) -> None:
+    """FastStream does not decode the body (it raised before the service saw the message); the
+    pipeline does, and an unreadable body is a rejection with its reason (Kafka included)."""
+    async with in_memory(transport, sqlite_url) as (container, observer):
+        message = dataclasses.replace(envelope(1), body=body)
+        signed = container.signer().sign(message.headers(), body)
+        await container.bus().transport.publish(message, signed)  # type: ignore[attr-defined]
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-message-id"] == message.message_id
+        assert letter["x-error"].startswith("rejected: malformed_body: the body is not readable JSON")
+        rejected = container.metrics().inbox_rejected.labels("kit.observer", "malformed_body")
+        assert rejected._value.get() == 1
+
+
+@pytest.mark.parametrize("attempt", ["abc", "-1", "9" * 30])
+async def test_a_forged_kafka_attempt_header_is_rejected_not_crashed_on(
+    attempt: str, sqlite_url: str
+) -> None:
+    """``x-attempt`` is this service's own counter on Kafka; a value it never writes could not
+    bound the retries, so the message is rejected (``malformed_header``), never processed."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        message = envelope(4)
+        headers = container.signer().sign(message.headers(), message.body) | {ATTEMPT: attempt}
+        await container.bus().transport.publish(message, headers)  # type: ignore[attr-defined]
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-error"].startswith(f"rejected: malformed_header: {ATTEMPT} is not a delivery count")
+
+
+@pytest.mark.parametrize("not_before", ["inf", "abc", "nan", "1e300"])
+async def test_a_forged_kafka_retry_time_neither_crashes_nor_blocks_the_partition(
+    not_before: str, sqlite_url: str
+) -> None:
+    """A retry copy's ``x-not-before`` that this service never writes (not a number, infinite,
+    centuries away) is waited for at most as long as the longest real backoff."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        bus = container.bus()
+        message = envelope(5)
+        headers = container.signer().sign(message.headers(), message.body)
+        retry_topic = bus.names.retry_queue("kit.observer")  # type: ignore[attr-defined]
+        forged = headers | {ATTEMPT: "2", NOT_BEFORE: not_before}
+        await asyncio.wait_for(bus.broker.publish(message.body, retry_topic, headers=forged), 10)  # type: ignore[attr-defined]
+        assert observer.seen == [("globex", "message")]
+        assert await consumed(container) == ["consumed:5"]

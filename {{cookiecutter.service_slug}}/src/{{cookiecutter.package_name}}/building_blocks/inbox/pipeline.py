@@ -111,8 +111,10 @@ class ConsumePipeline:
     def _decode(self, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
         try:
             payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, f"the body is not JSON: {error}") from error
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, an int past
+            # Python's digit limit (ValueError), or nesting deeper than the recursion limit
+            detail = f"the body is not readable JSON: {type(error).__name__}: {error}"
+            raise RejectedMessageError(Rejection.MALFORMED_BODY, detail) from error
         if not isinstance(payload, dict):
             raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
         try:

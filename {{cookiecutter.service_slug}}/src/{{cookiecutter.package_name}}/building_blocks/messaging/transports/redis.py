@@ -13,15 +13,23 @@ transport keeps the entry ids in flight and drops such a copy unacknowledged: th
 acks it or leaves it pending, exactly as if the copy had never come. Another process can still
 take an entry whose heartbeat stalled past the idle time; the inbox makes that second run a
 duplicate that changes nothing.
+
+FastStream's stream parser fails on some entries anyone can ``XADD`` (a legacy JSON envelope
+whose ``headers`` is not an object, fields without ``__data__`` that are not UTF-8). The handler
+would never run and the entry would be reclaimed and fail again for ever; such an entry is read
+again as a message without headers whose body is the entry's raw bytes, and is dead-lettered
+like any other unreadable message (FastStream itself does the same for a header that is not
+UTF-8).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from faststream import AckPolicy
@@ -34,6 +42,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....settings import MessageBusSettings
+from ...escaping import as_str
 from ...handlers import Consumer
 from ...registry import MessageRegistry
 from ..envelope import Envelope
@@ -45,6 +54,7 @@ from .base import (
     ReceivedMessage,
     as_text,
     dead_letter_headers,
+    undecoded_body,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +62,17 @@ log = logging.getLogger(__name__)
 
 def as_entry_id(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def raw_entry(fields: Mapping[Any, Any]) -> bytes:
+    """The bytes an unreadable stream entry carried: its ``__data__``, or all its fields."""
+    data = fields.get(bDATA_KEY)
+    if isinstance(data, bytes):
+        return data
+    return json.dumps({as_str(name): as_str(value) for name, value in fields.items()}).encode()
+
+
+RawParser = Callable[[Mapping[str, Any]], Awaitable[Any]]
 
 
 class RedisDelivery(ReceivedMessage):
@@ -146,8 +167,23 @@ class RedisTransport(FastStreamTransport):
 
         fresh = StreamSub(stream, group=group, consumer=self._member)
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
-        broker.subscriber(stream=fresh, ack_policy=AckPolicy.MANUAL)(on_message)
-        broker.subscriber(stream=reclaimer, ack_policy=AckPolicy.MANUAL)(on_message)
+        for source in (fresh, reclaimer):
+            broker.subscriber(
+                stream=source, ack_policy=AckPolicy.MANUAL, parser=self._parse, decoder=undecoded_body
+            )(on_message)
+
+    async def _parse(self, entry: Mapping[str, Any], original: RawParser) -> Any:  # noqa: ANN401
+        """FastStream's parser, or the entry's raw bytes when it cannot read it (see the module)."""
+        try:
+            return await original(entry)
+        except Exception as error:  # noqa: BLE001 (any parser failure: the entry is unreadable)
+            log.warning(
+                "unreadable stream entry %s: %s: %s", entry.get("message_ids"), type(error).__name__, error
+            )
+        wrapped = await self.broker.message_format.encode(
+            message=raw_entry(entry["data"]), reply_to=None, headers={}, correlation_id=""
+        )
+        return await original({**entry, "data": {bDATA_KEY: wrapped}})
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         client = self.broker.config.connection.client
