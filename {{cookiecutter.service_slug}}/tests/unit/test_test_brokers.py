@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,7 +122,7 @@ class Observer:
 
 @asynccontextmanager
 async def in_memory(
-    transport: str, sqlite_url: str, failures: int = 0
+    transport: str, sqlite_url: str, failures: int = 0, **sections: dict[str, Any]
 ) -> AsyncIterator[tuple[Container, Observer]]:
     container = build_container(
         make_settings(
@@ -133,6 +133,7 @@ async def in_memory(
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 0.01,
             },
+            **sections,
         )
     )
     await install_kit(container)
@@ -380,3 +381,33 @@ async def test_a_forged_kafka_retry_time_neither_crashes_nor_blocks_the_partitio
         await asyncio.wait_for(bus.broker.publish(message.body, retry_topic, headers=forged), 10)  # type: ignore[attr-defined]
         assert observer.seen == [("globex", "message")]
         assert await consumed(container) == ["consumed:5"]
+
+
+def occurred(days_ago: float, value: int) -> Envelope:
+    return dataclasses.replace(envelope(value), occurred_on=datetime.now(UTC) - timedelta(days=days_ago))
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+async def test_a_message_older_than_the_inbox_retention_is_dead_lettered_as_stale(
+    transport: str, sqlite_url: str
+) -> None:
+    """Its inbox record may already be purged, so a replay could no longer be recognised as a
+    duplicate: a correctly signed message that old is dead-lettered (``stale``), never handled."""
+    async with in_memory(transport, sqlite_url, inbox={"retention_days": 7}) as (container, observer):
+        stale, recent = occurred(7 + 1 / 24, 1), occurred(7 - 1 / 24, 2)
+        await container.bus().publish(stale)
+        await container.bus().publish(recent)
+        assert await consumed(container) == ["consumed:2"]
+        assert len(observer.seen) == 1
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-message-id"] == stale.message_id
+        assert letter["x-error"].startswith("rejected: stale: ")
+        assert container.metrics().inbox_rejected.labels("kit.observer", "stale")._value.get() == 1
+
+
+async def test_an_inbox_that_is_never_purged_accepts_a_message_of_any_age(sqlite_url: str) -> None:
+    async with in_memory("rabbitmq", sqlite_url, inbox={"retention_days": 0}) as (container, observer):
+        await container.bus().publish(occurred(3650, 3))
+        assert await consumed(container) == ["consumed:3"]
+        assert len(observer.seen) == 1
+        assert container.dead_letters == []  # type: ignore[attr-defined]

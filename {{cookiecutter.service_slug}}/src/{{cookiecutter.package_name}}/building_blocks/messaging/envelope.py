@@ -75,6 +75,7 @@ class Rejection(StrEnum):
     MALFORMED_BODY = "malformed_body"
     UNKNOWN_EVENT = "unknown_event"
     UNEXPECTED_EVENT = "unexpected_event"
+    STALE = "stale"  # older than the inbox remembers (see inbox/pipeline.py)
 
 
 class RejectedMessageError(ValueError):
