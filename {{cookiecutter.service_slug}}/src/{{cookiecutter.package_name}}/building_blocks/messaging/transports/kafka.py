@@ -29,6 +29,7 @@ import asyncio
 import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -195,25 +196,22 @@ class KafkaTransport(FastStreamTransport):
         delay = self._settings.redelivery_delay_seconds
         longest_backoff = delay * 2 ** (self._settings.max_delivery_attempts - 1)
 
-        @broker.subscriber(
-            topic,
+        # The same group reads both topics; manual acks; the body stays undecoded (see base).
+        subscriber = partial(
+            broker.subscriber,
             group_id=group,
             ack_policy=AckPolicy.MANUAL,
             auto_offset_reset="earliest",
             decoder=undecoded_body,
         )
+
+        @subscriber(topic)
         async def on_message(message: KafkaMessage) -> None:
             await handler(
                 KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
             )
 
-        @broker.subscriber(
-            retry_topic,
-            group_id=group,
-            ack_policy=AckPolicy.MANUAL,
-            auto_offset_reset="earliest",
-            decoder=undecoded_body,
-        )
+        @subscriber(retry_topic)
         async def on_retry(message: KafkaMessage) -> None:
             not_before = dict(message.headers or {}).get(NOT_BEFORE)
             await asyncio.sleep(retry_wait(not_before, time.time(), longest_backoff))
