@@ -20,6 +20,12 @@ would never run and the entry would be reclaimed and fail again for ever; such a
 again as a message without headers whose body is the entry's raw bytes, and is dead-lettered
 like any other unreadable message (FastStream itself does the same for a header that is not
 UTF-8).
+
+FastStream 0.7.8's binary message format writes each header's length in characters but its
+bytes in UTF-8, so one non-ASCII value (a tenant ``zoë-gmbh``) shifted the whole header block:
+the consumer read the message without headers and rejected it as unsigned.
+:class:`Utf8BinaryMessageFormat` hands the headers over as UTF-8 bytes, whose length is their
+size; ASCII headers encode exactly as before, so old and new processes read each other.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
 from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
 from faststream.redis.message import bDATA_KEY
+from faststream.redis.parser.binary import BinaryMessageFormatV1
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -73,6 +80,21 @@ def raw_entry(fields: Mapping[Any, Any]) -> bytes:
 
 
 RawParser = Callable[[Mapping[str, Any]], Awaitable[Any]]
+
+
+def utf8_headers(headers: Mapping[str, Any]) -> dict[Any, Any]:
+    """Header names and text values as UTF-8 bytes (FastStream measures bytes correctly)."""
+    return {
+        name.encode(): value.encode() if isinstance(value, str) else value for name, value in headers.items()
+    }
+
+
+class Utf8BinaryMessageFormat(BinaryMessageFormatV1):
+    """FastStream's binary format with header names and values written as UTF-8 bytes."""
+
+    @classmethod
+    async def encode(cls, *, headers: dict[str, Any] | None, **parts: Any) -> bytes:  # noqa: ANN401
+        return await super().encode(headers=None if headers is None else utf8_headers(headers), **parts)
 
 
 class RedisDelivery(ReceivedMessage):
@@ -130,7 +152,9 @@ class RedisTransport(FastStreamTransport):
         del registry
         self._settings = settings
         self._names = names
-        self.broker = RedisBroker(settings.url or "redis://localhost:6379")
+        self.broker = RedisBroker(
+            settings.url or "redis://localhost:6379", message_format=Utf8BinaryMessageFormat
+        )
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
         self._in_flight: set[tuple[str, str, str]] = set()
 
