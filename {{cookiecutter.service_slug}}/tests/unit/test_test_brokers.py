@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
@@ -411,3 +412,38 @@ async def test_an_inbox_that_is_never_purged_accepts_a_message_of_any_age(sqlite
         assert await consumed(container) == ["consumed:3"]
         assert len(observer.seen) == 1
         assert container.dead_letters == []  # type: ignore[attr-defined]
+
+
+async def test_a_kafka_record_whose_headers_are_not_text_is_dead_lettered(sqlite_url: str) -> None:
+    """FastStream's Kafka parser decodes every header value as UTF-8 before the handler runs; a
+    value that is not UTF-8, or a null one (Kafka allows both), raised there, and the record was
+    never acknowledged. It is read with those values made text, and dead-lettered."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        bus = container.bus()
+        topic = bus.names.channel(CounterChangedV1.message_name)  # type: ignore[attr-defined]
+        message = envelope(8)
+        headers = [("x-message-id", message.message_id.encode()), ("x-junk", b"\xff\xfe"), ("x-null", None)]
+        record = ConsumerRecord(
+            topic=topic,
+            partition=0,
+            offset=0,
+            timestamp=0,
+            timestamp_type=0,
+            key=None,
+            value=message.body,
+            checksum=None,
+            serialized_key_size=0,
+            serialized_value_size=len(message.body),
+            headers=headers,
+        )
+        subscribers = bus.broker.subscribers  # type: ignore[attr-defined]
+        (subscriber,) = [s for s in subscribers if topic in {t.name for t in s.topics}]
+        await subscriber.process_message(record)
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert (letter["x-message-id"], letter["x-junk"], letter["x-null"]) == (
+            message.message_id,
+            r"\xff\xfe",
+            "",
+        )
+        assert letter["x-error"].startswith("rejected: unsigned: ")

@@ -11,11 +11,14 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
   would never write was forged or mangled on the way, and with it the retries can no longer be
   bounded, so the message is rejected (``malformed_header``) instead of trusted or crashed on;
 * copy header values onto dead-letter copies only as one line of valid UTF-8 text, bounded
-  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself.
+  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself;
+* where FastStream's own parser fails on what a broker can carry (Redis, Kafka), parse a
+  readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ HEADER_VALUE_LIMIT = 1024
 HEADER_NAME_LIMIT = 200
 ERROR_LIMIT = 1000
 _COUNT = re.compile(r"[0-9]{1,18}")
+log = logging.getLogger(__name__)
+RawParser = Callable[[Any], Awaitable[Any]]
 
 
 class Delivery(Protocol):
@@ -120,6 +125,24 @@ class BrokerTransport(Protocol):
 async def undecoded_body(message: Any) -> bytes:  # noqa: ANN401 (a FastStream message)
     """FastStream's decoder, replaced: the body stays the bytes that arrived (see the module)."""
     return bytes(message.body)
+
+
+def fallback_parser(readable: Callable[[Any], Awaitable[Any]]) -> Callable[[Any, RawParser], Awaitable[Any]]:
+    """A FastStream parser (``parser=`` of a subscriber) that runs FastStream's own and, when that
+    fails on a raw message, runs it again on ``readable(raw)``: the same message made readable
+    (for example without the headers it could not decode). A parser failure happens before the
+    handler, so nothing would acknowledge the message: it would stay pending for good."""
+
+    async def parse(raw: Any, original: RawParser) -> Any:  # noqa: ANN401 (a broker's raw message)
+        try:
+            return await original(raw)
+        except Exception as error:  # noqa: BLE001 (any parser failure: read the stand-in)
+            log.warning(
+                "unreadable broker message, read without what failed: %s: %s", type(error).__name__, error
+            )
+        return await original(await readable(raw))
+
+    return parse
 
 
 def broker_count(name: str, value: object) -> int:

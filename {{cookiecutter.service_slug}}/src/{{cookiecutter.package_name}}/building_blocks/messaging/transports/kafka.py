@@ -8,6 +8,11 @@ service writes, and not at all for a value it never writes: anyone who can write
 could otherwise stall its partition for ever) and runs the same wrapper; the last failure goes
 to ``<group>.dlq``. The ordering key is the Kafka key, so one key stays on one partition.
 
+FastStream's parser decodes every header value as UTF-8 before the handler runs; Kafka allows
+any bytes and null values, which raised there (the record was never acknowledged, and the
+partition's next commit passed over it). Such values are read as escaped text instead, and the
+wrapper rejects or handles the record like any other.
+
 Kafka commits offsets, not messages: once a later message of the partition is committed, an
 earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
 published (the broker is failing), the consumer seeks back to the message (``nack``) before the
@@ -26,6 +31,7 @@ build machines): the topic declaration and the retry topics have not met a real 
 from __future__ import annotations
 
 import asyncio
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -59,6 +65,7 @@ from .base import (
     ReceivedMessage,
     broker_count,
     dead_letter_headers,
+    fallback_parser,
     own_headers,
     undecoded_body,
 )
@@ -66,6 +73,15 @@ from .base import (
 ATTEMPT = "x-attempt"
 TOPIC_EXISTS = int(TopicAlreadyExistsError.errno)
 NOT_BEFORE = "x-not-before"
+
+
+async def readable_headers(record: Any) -> Any:  # noqa: ANN401 (an aiokafka ConsumerRecord)
+    """The record with every header value UTF-8 text (bytes escaped, null empty)."""
+    readable = copy.copy(record)
+    readable.headers = [
+        (name, b"" if value is None else as_str(value).encode()) for name, value in record.headers
+    ]
+    return readable
 
 
 def retry_wait(not_before: object, now: float, longest: float) -> float:
@@ -203,6 +219,7 @@ class KafkaTransport(FastStreamTransport):
             ack_policy=AckPolicy.MANUAL,
             auto_offset_reset="earliest",
             decoder=undecoded_body,
+            parser=fallback_parser(readable_headers),
         )
 
         @subscriber(topic)

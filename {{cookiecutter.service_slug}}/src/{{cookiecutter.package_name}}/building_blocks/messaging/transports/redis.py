@@ -35,7 +35,7 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from faststream import AckPolicy
@@ -61,6 +61,7 @@ from .base import (
     ReceivedMessage,
     as_text,
     dead_letter_headers,
+    fallback_parser,
     undecoded_body,
 )
 
@@ -77,9 +78,6 @@ def raw_entry(fields: Mapping[Any, Any]) -> bytes:
     if isinstance(data, bytes):
         return data
     return json.dumps({as_str(name): as_str(value) for name, value in fields.items()}).encode()
-
-
-RawParser = Callable[[Mapping[str, Any]], Awaitable[Any]]
 
 
 def utf8_headers(headers: Mapping[str, Any]) -> dict[Any, Any]:
@@ -193,21 +191,18 @@ class RedisTransport(FastStreamTransport):
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
         for source in (fresh, reclaimer):
             broker.subscriber(
-                stream=source, ack_policy=AckPolicy.MANUAL, parser=self._parse, decoder=undecoded_body
+                stream=source,
+                ack_policy=AckPolicy.MANUAL,
+                parser=fallback_parser(self._readable),
+                decoder=undecoded_body,
             )(on_message)
 
-    async def _parse(self, entry: Mapping[str, Any], original: RawParser) -> Any:  # noqa: ANN401
-        """FastStream's parser, or the entry's raw bytes when it cannot read it (see the module)."""
-        try:
-            return await original(entry)
-        except Exception as error:  # noqa: BLE001 (any parser failure: the entry is unreadable)
-            log.warning(
-                "unreadable stream entry %s: %s: %s", entry.get("message_ids"), type(error).__name__, error
-            )
+    async def _readable(self, entry: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The entry as a message without headers whose body is its raw bytes (see the module)."""
         wrapped = await self.broker.message_format.encode(
             message=raw_entry(entry["data"]), reply_to=None, headers={}, correlation_id=""
         )
-        return await original({**entry, "data": {bDATA_KEY: wrapped}})
+        return {**entry, "data": {bDATA_KEY: wrapped}}
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         client = self.broker.config.connection.client
