@@ -401,3 +401,27 @@ async def test_an_unexpected_error_before_the_attempt_is_known_dead_letters_the_
     assert observer.seen == []
     assert set((await LEFTOVERS[transport](container)).values()) == {0}
     assert counted(container, "inbox_dead_letters_total", "internal_error") == 1
+
+
+@pytest.mark.rabbitmq
+async def test_a_refused_dead_letter_copy_leaves_no_rabbitmq_message_unacknowledged(start: Start) -> None:
+    """The dead-letter queue is gone (deleted by hand), so every copy is refused (NO_ROUTE). The
+    message is handed back through the retry queue instead of staying unacknowledged (where it
+    would also hold a prefetch slot), and reaches the dead-letter queue once that exists again."""
+    import aio_pika
+
+    container, _ = await start("rabbitmq")
+    dead_letter_queue = container.bus().names.dead_letters(CONSUMER)  # type: ignore[attr-defined]
+    batch = HostileBatch(container, "rabbitmq")
+    batch.add("unsigned", LEGIT_BODY, "unsigned", signed=False)
+    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(dead_letter_queue)
+        await publish_raw_rabbitmq(container, batch.messages)
+        await asyncio.sleep(2.0)  # several 0.3 s retry cycles, every copy refused
+        await channel.declare_queue(dead_letter_queue, durable=True)
+    letters = await dead_letters_of(container, batch.messages, timeout=20)
+    await container.worker().stop()
+    assert list(letters) == [batch.messages[0].message_id]
+    assert set((await LEFTOVERS["rabbitmq"](container)).values()) == {0}

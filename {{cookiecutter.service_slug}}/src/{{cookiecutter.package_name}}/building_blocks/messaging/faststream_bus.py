@@ -23,9 +23,10 @@ policy (FastStream's defaults drop or loop messages differently per broker, see
 * an error the wrapper itself did not expect (a bug, an ack or a retry step that failed) still
   ends the message, never leaving it unacknowledged: it is handled like a handler failure
   (redelivered while attempts remain, dead-lettered with the error at the limit, or at once when
-  the attempt is unknown). If the broker refuses even that, its own redelivery takes over (a
-  closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer), counted and so bounded
-  by the guard above.
+  the attempt is unknown). If the dead-letter copy is refused too, the message goes back through
+  the transport's retry step (counted, so the guard above dead-letters it once the destination
+  takes copies again); if even that fails the connection is gone, and the broker redelivers on
+  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer).
 """
 
 from __future__ import annotations
@@ -299,12 +300,24 @@ class FastStreamBus:
                 await self._dead_letter_failure(consumer, delivery, error, UNKNOWN_ATTEMPT, reason=INTERNAL)
             else:
                 await self._fail(consumer, delivery, error, attempt, reason=INTERNAL)
-        except Exception:
+        except Exception:  # the dead-letter copy itself failed (logged with its traceback)
             log.exception(
-                "%s: message %s could not be retried or dead-lettered after %s: %s; the broker will "
-                "deliver it again",
+                "%s: message %s could not be dead-lettered after %s: %s; handing it back to the broker",
                 consumer.name,
                 delivery.message_id,
                 type(error).__name__,
                 error,
+            )
+            await self._hand_back(consumer, delivery, attempt)
+
+    async def _hand_back(self, consumer: Consumer[Any], delivery: Delivery, attempt: int | None) -> None:
+        """The transport's retry step, so the message is not left unacknowledged (on RabbitMQ that
+        would also hold one of the consumer's prefetch slots for good): it comes back counted,
+        and the crash guard dead-letters it once the destination takes copies again. If even this
+        fails the connection is gone, and the broker redelivers on its own."""
+        try:
+            await delivery.retry(attempt or 1)
+        except Exception:
+            log.exception(
+                "%s: message %s left to the broker's redelivery", consumer.name, delivery.message_id
             )
