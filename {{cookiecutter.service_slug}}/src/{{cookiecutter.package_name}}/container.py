@@ -250,6 +250,7 @@ class Container(containers.DeclarativeContainer):
         inbox_enabled=settings.provided.message_bus.inbox_enabled,
         metrics=metrics,
         clock=clock,
+        inbox_retention_days=settings.provided.inbox.retention_days,
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
         tracing=tracing,
     )

@@ -191,6 +191,17 @@ async def test_the_senders_context_travels_across_the_broker(start: Start, trans
     assert rows[0].pending == 0
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_context_with_non_ascii_values_travels_across_the_broker(
+    start: Start, transport: str
+) -> None:
+    """Tenant and user names are not always ASCII; their signed headers must arrive intact."""
+    container, observer = await start(transport)
+    await publish_through_outbox(container, 2, tenant="zoë-gmbh", user="josé")
+    await eventually(lambda: len(observer.seen) == 1)
+    assert (observer.seen[0]["tenant"], observer.seen[0]["user"]) == ("zoë-gmbh", "josé")
+
+
 def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="acme"):
         context = capture()

@@ -7,17 +7,20 @@ tests/integration/test_brokers.py.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiokafka.errors import KafkaConnectionError
+from aiokafka.structs import ConsumerRecord
 from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
@@ -36,7 +39,12 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
 from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
     EndpointNames,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
+    undecoded_body,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.kafka import (
+    ATTEMPT,
+    NOT_BEFORE,
     KafkaDelivery,
     KafkaTopologyError,
     KafkaTransport,
@@ -73,17 +81,19 @@ def capture_dead_letters(container: Container, transport: str) -> list[dict[str,
         del body
         captured.append({k: str(v) for k, v in (message.headers or {}).items()})
 
+    raw = {"decoder": undecoded_body}  # a dead letter's body may be anything
     if transport == "nats":
         from faststream.nats import JStream
 
         subscriber = broker.subscriber(
             names.dead_letter_subject("kit.observer"),
             stream=JStream(names.stream("dead_letters"), declare=False),
+            **raw,
         )
     elif transport == "redis":
-        subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"))
+        subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"), **raw)
     else:
-        subscriber = broker.subscriber(names.dead_letters("kit.observer"))
+        subscriber = broker.subscriber(names.dead_letters("kit.observer"), **raw)
     from faststream import Context
 
     async def handler(body: Any, message: Any = Context("message")) -> None:
@@ -113,7 +123,7 @@ class Observer:
 
 @asynccontextmanager
 async def in_memory(
-    transport: str, sqlite_url: str, failures: int = 0
+    transport: str, sqlite_url: str, failures: int = 0, **sections: dict[str, Any]
 ) -> AsyncIterator[tuple[Container, Observer]]:
     container = build_container(
         make_settings(
@@ -124,6 +134,7 @@ async def in_memory(
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 0.01,
             },
+            **sections,
         )
     )
     await install_kit(container)
@@ -314,3 +325,125 @@ async def test_kafka_topics_owned_by_the_platform_are_left_alone() -> None:
     transport, consumers = kafka_transport(admin, kafka_create_topics=False)
     await transport.declare(consumers)
     assert admin.created == []
+
+
+UNREADABLE_BODIES = {
+    "huge-int": b'{"counter_id": "c", "value": ' + b"9" * 5000 + b"}",  # past int's 4300 digits
+    "deep": b"[" * 100_000 + b"]" * 100_000,  # RecursionError in json
+}
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+@pytest.mark.parametrize("body", UNREADABLE_BODIES.values(), ids=UNREADABLE_BODIES.keys())
+async def test_a_signed_but_unreadable_body_is_dead_lettered_as_malformed(
+    transport: str, body: bytes, sqlite_url: str
+) -> None:
+    """FastStream does not decode the body (it raised before the service saw the message); the
+    pipeline does, and an unreadable body is a rejection with its reason (Kafka included)."""
+    async with in_memory(transport, sqlite_url) as (container, observer):
+        message = dataclasses.replace(envelope(1), body=body)
+        signed = container.signer().sign(message.headers(), body)
+        await container.bus().transport.publish(message, signed)  # type: ignore[attr-defined]
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-message-id"] == message.message_id
+        assert letter["x-error"].startswith("rejected: malformed_body: the body is not readable JSON")
+        rejected = container.metrics().inbox_rejected.labels("kit.observer", "malformed_body")
+        assert rejected._value.get() == 1
+
+
+@pytest.mark.parametrize("attempt", ["abc", "-1", "9" * 30])
+async def test_a_forged_kafka_attempt_header_is_rejected_not_crashed_on(
+    attempt: str, sqlite_url: str
+) -> None:
+    """``x-attempt`` is this service's own counter on Kafka; a value it never writes could not
+    bound the retries, so the message is rejected (``malformed_header``), never processed."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        message = envelope(4)
+        headers = container.signer().sign(message.headers(), message.body) | {ATTEMPT: attempt}
+        await container.bus().transport.publish(message, headers)  # type: ignore[attr-defined]
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-error"].startswith(f"rejected: malformed_header: {ATTEMPT} is not a delivery count")
+
+
+@pytest.mark.parametrize("not_before", ["inf", "abc", "nan", "1e300"])
+async def test_a_forged_kafka_retry_time_neither_crashes_nor_blocks_the_partition(
+    not_before: str, sqlite_url: str
+) -> None:
+    """A retry copy's ``x-not-before`` that this service never writes (not a number, infinite,
+    centuries away) is waited for at most as long as the longest real backoff."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        bus = container.bus()
+        message = envelope(5)
+        headers = container.signer().sign(message.headers(), message.body)
+        retry_topic = bus.names.retry_queue("kit.observer")  # type: ignore[attr-defined]
+        forged = headers | {ATTEMPT: "2", NOT_BEFORE: not_before}
+        await asyncio.wait_for(bus.broker.publish(message.body, retry_topic, headers=forged), 10)  # type: ignore[attr-defined]
+        assert observer.seen == [("globex", "message")]
+        assert await consumed(container) == ["consumed:5"]
+
+
+def occurred(days_ago: float, value: int) -> Envelope:
+    return dataclasses.replace(envelope(value), occurred_on=datetime.now(UTC) - timedelta(days=days_ago))
+
+
+@pytest.mark.parametrize("transport", TEST_BROKERS)
+async def test_a_message_older_than_the_inbox_retention_is_dead_lettered_as_stale(
+    transport: str, sqlite_url: str
+) -> None:
+    """Its inbox record may already be purged, so a replay could no longer be recognised as a
+    duplicate: a correctly signed message that old is dead-lettered (``stale``), never handled."""
+    async with in_memory(transport, sqlite_url, inbox={"retention_days": 7}) as (container, observer):
+        stale, recent = occurred(7 + 1 / 24, 1), occurred(7 - 1 / 24, 2)
+        await container.bus().publish(stale)
+        await container.bus().publish(recent)
+        assert await consumed(container) == ["consumed:2"]
+        assert len(observer.seen) == 1
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert letter["x-message-id"] == stale.message_id
+        assert letter["x-error"].startswith("rejected: stale: ")
+        assert container.metrics().inbox_rejected.labels("kit.observer", "stale")._value.get() == 1
+
+
+async def test_an_inbox_that_is_never_purged_accepts_a_message_of_any_age(sqlite_url: str) -> None:
+    async with in_memory("rabbitmq", sqlite_url, inbox={"retention_days": 0}) as (container, observer):
+        await container.bus().publish(occurred(3650, 3))
+        assert await consumed(container) == ["consumed:3"]
+        assert len(observer.seen) == 1
+        assert container.dead_letters == []  # type: ignore[attr-defined]
+
+
+async def test_a_kafka_record_whose_headers_are_not_text_is_dead_lettered(sqlite_url: str) -> None:
+    """FastStream's Kafka parser decodes every header value as UTF-8 before the handler runs; a
+    value that is not UTF-8, or a null one (Kafka allows both), raised there, and the record was
+    never acknowledged. It is read with those values made text, and dead-lettered."""
+    async with in_memory("kafka", sqlite_url) as (container, observer):
+        bus = container.bus()
+        topic = bus.names.channel(CounterChangedV1.message_name)  # type: ignore[attr-defined]
+        message = envelope(8)
+        headers = [("x-message-id", message.message_id.encode()), ("x-junk", b"\xff\xfe"), ("x-null", None)]
+        record = ConsumerRecord(
+            topic=topic,
+            partition=0,
+            offset=0,
+            timestamp=0,
+            timestamp_type=0,
+            key=None,
+            value=message.body,
+            checksum=None,
+            serialized_key_size=0,
+            serialized_value_size=len(message.body),
+            headers=headers,
+        )
+        subscribers = bus.broker.subscribers  # type: ignore[attr-defined]
+        (subscriber,) = [s for s in subscribers if topic in {t.name for t in s.topics}]
+        await subscriber.process_message(record)
+        assert observer.seen == []
+        (letter,) = container.dead_letters  # type: ignore[attr-defined]
+        assert (letter["x-message-id"], letter["x-junk"], letter["x-null"]) == (
+            message.message_id,
+            r"\xff\xfe",
+            "",
+        )
+        assert letter["x-error"].startswith("rejected: unsigned: ")

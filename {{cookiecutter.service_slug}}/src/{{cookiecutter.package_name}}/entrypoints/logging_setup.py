@@ -1,4 +1,13 @@
-"""Process-wide logging: readable lines by default, JSON lines with ``LOGGING__JSON_FORMAT``."""
+"""Process-wide logging: readable lines by default, JSON lines with ``LOGGING__JSON_FORMAT``.
+
+The service logs values from outside (message ids, header values, error texts of rejected
+messages), so a record must not be able to forge another: in the text format every record is
+one line starting with its time, the rendered line has its control characters escaped (a
+newline in a message id cannot start a forged record, an ESC cannot repaint a terminal, a lone
+surrogate cannot break the write), and the lines of a traceback or stack follow it indented.
+Escaping here, once, covers every log call. The JSON format needs nothing more: ``json.dumps``
+escapes control characters and surrogates inside each value.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ import logging
 import sys
 
 from ..building_blocks.context import current_context
+from ..building_blocks.escaping import escape_controls
 from ..settings import LoggingSettings
 
 
@@ -33,14 +43,29 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s [%(correlation_id)s] %(message)s"
+CONTINUATION = "    "  # a traceback line never starts like a record (records start with the time)
+
+
+class _TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record, self.datefmt)
+        details = []
+        if record.exc_info:
+            details.append(self.formatException(record.exc_info))
+        elif record.exc_text:
+            details.append(record.exc_text)
+        if record.stack_info:
+            details.append(self.formatStack(record.stack_info))
+        continued = [CONTINUATION + escape_controls(line) for text in details for line in text.splitlines()]
+        return "\n".join([escape_controls(self.formatMessage(record)), *continued])
+
+
 def configure_logging(settings: LoggingSettings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
-    handler.setFormatter(
-        _JsonFormatter()
-        if settings.json_format
-        else logging.Formatter("%(asctime)s %(levelname)-7s %(name)s [%(correlation_id)s] %(message)s")
-    )
+    handler.setFormatter(_JsonFormatter() if settings.json_format else _TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(settings.level.upper())

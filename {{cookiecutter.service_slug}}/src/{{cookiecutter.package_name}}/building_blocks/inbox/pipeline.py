@@ -7,6 +7,14 @@ together -> acknowledge.
 * A message whose signature, headers or payload cannot be trusted raises
   :class:`RejectedMessageError` before anything is restored: the transport dead-letters it with
   the reason and never retries it.
+* Freshness: the inbox forgets a message ``INBOX__RETENTION_DAYS`` after it was received, so a
+  copy arriving later than that could no longer be recognised as a duplicate (a captured message
+  replayed after the purge ran its handler again). With the inbox on, a message whose signed
+  ``x-occurred-on`` is older than the retention is rejected as ``stale``: an inbox row is
+  received no earlier than its message occurred, so every message younger than the retention
+  still finds its row. This holds only if inbox retention exceeds how late a message can
+  legitimately arrive (outbox dead-letter retention plus the time to replay; see
+  docs/semantics.md). ``0`` keeps inbox rows for ever, so there is no limit.
 * A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
   primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip.
 * A handler failure rolls everything back, including the staged inbox row, so the redelivery is
@@ -25,6 +33,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import Enum
 from typing import Any, cast
 
@@ -36,7 +45,7 @@ from ..clock import Clock
 from ..context import current_context, restored
 from ..domain.events import Message
 from ..handlers import Consumer, handler_name
-from ..messaging.envelope import RejectedMessageError, Rejection, Signer, read_envelope
+from ..messaging.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
 from ..outbox.metrics import OutboxMetrics
 from ..persistence.guard import handler_scope
 from ..persistence.models import InboxMessage
@@ -96,9 +105,13 @@ class ConsumePipeline:
         inbox_enabled: bool,
         metrics: OutboxMetrics,
         clock: Clock,
+        inbox_retention_days: int = 0,
         max_header_bytes: int = 4096,
         tracing: Tracing | None = None,
     ) -> None:
+        self._max_age = (
+            timedelta(days=inbox_retention_days) if inbox_enabled and inbox_retention_days else None
+        )
         self._max_header_bytes = max_header_bytes
         self._tracing: Tracing = tracing or NoTracing()
         self._units = units
@@ -108,11 +121,25 @@ class ConsumePipeline:
         self._metrics = metrics
         self._clock = clock
 
+    def _refuse_stale(self, envelope: Envelope) -> None:
+        """Reject a message older than the inbox remembers (see the module docstring)."""
+        if self._max_age is None:
+            return
+        age = self._clock() - envelope.occurred_on
+        if age > self._max_age:
+            detail = (
+                f"x-occurred-on {envelope.occurred_on.isoformat()} is {age.days} days old, older than "
+                f"INBOX__RETENTION_DAYS ({self._max_age.days}): a duplicate could no longer be recognised"
+            )
+            raise RejectedMessageError(Rejection.STALE, detail)
+
     def _decode(self, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
         try:
             payload = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, f"the body is not JSON: {error}") from error
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, an int past
+            # Python's digit limit (ValueError), or nesting deeper than the recursion limit
+            detail = f"the body is not readable JSON: {type(error).__name__}: {error}"
+            raise RejectedMessageError(Rejection.MALFORMED_BODY, detail) from error
         if not isinstance(payload, dict):
             raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
         try:
@@ -132,6 +159,7 @@ class ConsumePipeline:
         """Process one message for one consumer (see the module docstring)."""
         try:
             envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
+            self._refuse_stale(envelope)
             message = self._decode(consumer, envelope.event_name, body)
         except RejectedMessageError as rejected:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()

@@ -75,6 +75,7 @@ class Rejection(StrEnum):
     MALFORMED_BODY = "malformed_body"
     UNKNOWN_EVENT = "unknown_event"
     UNEXPECTED_EVENT = "unexpected_event"
+    STALE = "stale"  # older than the inbox remembers (see inbox/pipeline.py)
 
 
 class RejectedMessageError(ValueError):
@@ -164,7 +165,11 @@ def read_envelope(
             value = value.decode("utf-8", "replace")
         if not isinstance(value, str):
             raise RejectedMessageError(Rejection.MALFORMED_HEADER, f"{name} is not a string")
-        if len(value.encode()) > limit:
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError as error:  # a lone surrogate (a JSON "\udcff" escape, say)
+            raise RejectedMessageError(Rejection.MALFORMED_HEADER, f"{name} is not valid text") from error
+        if size > limit:
             raise RejectedMessageError(Rejection.OVERSIZED_HEADER, f"{name} is longer than {limit} bytes")
         headers[name] = value
     total = sum(len(name) + len(value.encode()) for name, value in headers.items())

@@ -4,6 +4,12 @@ It needs no server, so it is the embedded default. Every consumer of the event r
 same consume pipeline a broker delivery uses (signature, context restore, inbox); if one fails,
 the others still run and the publish raises, so the outbox row is retried (the inbox skips the
 consumers that already succeeded, when it is enabled).
+
+The raised :class:`ConsumerFailedError` is chained to a consumer's own error (``__cause__``): the
+processor reads the chain to tell a database outage, which it releases the row for uncharged,
+from a failure it charges as a retry. When several consumers failed, an outage is chosen as the
+cause: the database was unreachable for this delivery, so no failure of it says anything about
+the row yet (the next delivery, with the database back, charges a genuine failure).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import logging
 
 from ..handlers import HandlerRegistry
 from ..inbox.pipeline import ConsumePipeline
+from ..persistence.database import is_database_outage
 from ..registry import MessageRegistry, UnknownMessageError
 from .envelope import Envelope, Signer
 
@@ -58,12 +65,15 @@ class InProcessBus:
             msg = f"no registered message is named {envelope.event_name!r}"
             raise UnknownMessageError(msg)
         headers = self._signer.sign(envelope.headers(), envelope.body)
-        failures: list[str] = []
+        failures: dict[str, Exception] = {}
         for consumer in self._handlers.consumers_of(event_type):
             try:
                 await self._pipeline.consume(consumer, headers, envelope.body)
             except Exception as error:  # noqa: BLE001 (reported together below)
                 log.warning("consumer %s failed on %s: %r", consumer.name, envelope.message_id, error)
-                failures.append(f"{consumer.name}: {type(error).__name__}: {error}")
+                failures[consumer.name] = error
         if failures:
-            raise ConsumerFailedError("; ".join(failures))
+            errors = list(failures.values())
+            cause = next((error for error in errors if is_database_outage(error)), errors[0])
+            described = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures.items())
+            raise ConsumerFailedError(described) from cause

@@ -3,8 +3,15 @@
 Kafka has no redelivery count and FastStream's default ack policy commits *before* the handler
 runs, so a failed message would be lost. Here the handler runs with a manual ack; a failure is
 republished to ``<group>.retry`` with ``x-attempt`` and ``x-not-before`` and only then committed;
-the retry subscriber waits until ``x-not-before`` and runs the same wrapper; the last failure goes
+the retry subscriber waits until ``x-not-before`` (never longer than the longest backoff this
+service writes, and not at all for a value it never writes: anyone who can write the retry topic
+could otherwise stall its partition for ever) and runs the same wrapper; the last failure goes
 to ``<group>.dlq``. The ordering key is the Kafka key, so one key stays on one partition.
+
+FastStream's parser decodes every header value as UTF-8 before the handler runs; Kafka allows
+any bytes and null values, which raised there (the record was never acknowledged, and the
+partition's next commit passed over it). Such values are read as escaped text instead, and the
+wrapper rejects or handles the record like any other.
 
 Kafka commits offsets, not messages: once a later message of the partition is committed, an
 earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
@@ -24,8 +31,11 @@ build machines): the topic declaration and the retry topics have not met a real 
 from __future__ import annotations
 
 import asyncio
+import copy
+import math
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -42,6 +52,7 @@ from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.message import KafkaMessage as KafkaMessageType
 
 from ....settings import MessageBusSettings
+from ...escaping import as_str
 from ...handlers import Consumer
 from ...messages import IntegrationEvent
 from ...registry import MessageRegistry
@@ -52,13 +63,34 @@ from .base import (
     DeliveryHandler,
     FastStreamTransport,
     ReceivedMessage,
+    broker_count,
     dead_letter_headers,
+    fallback_parser,
     own_headers,
+    undecoded_body,
 )
 
 ATTEMPT = "x-attempt"
 TOPIC_EXISTS = int(TopicAlreadyExistsError.errno)
 NOT_BEFORE = "x-not-before"
+
+
+async def readable_headers(record: Any) -> Any:  # noqa: ANN401 (an aiokafka ConsumerRecord)
+    """The record with every header value UTF-8 text (bytes escaped, null empty)."""
+    readable = copy.copy(record)
+    readable.headers = [
+        (name, b"" if value is None else as_str(value).encode()) for name, value in record.headers
+    ]
+    return readable
+
+
+def retry_wait(not_before: object, now: float, longest: float) -> float:
+    """Seconds to wait for a retry copy: until ``x-not-before``, within ``[0, longest]``."""
+    try:
+        when = float(as_str(not_before or 0))
+    except ValueError:
+        return 0.0
+    return min(max(0.0, when - now), longest) if math.isfinite(when) else 0.0
 
 
 class KafkaDelivery(ReceivedMessage):
@@ -84,7 +116,7 @@ class KafkaDelivery(ReceivedMessage):
         return key if isinstance(key, bytes) else None
 
     async def attempt(self) -> int:
-        return int(str(self.headers.get(ATTEMPT) or 1))
+        return max(broker_count(ATTEMPT, self.headers.get(ATTEMPT) or 1), 1)
 
     async def _forward(self, topic: str, headers: dict[str, str]) -> None:
         """Publish the copy, then commit; if the copy is refused, seek back so it is read again."""
@@ -178,19 +210,28 @@ class KafkaTransport(FastStreamTransport):
         dlq = self._names.dead_letters(consumer.name)
         broker = self.broker
         delay = self._settings.redelivery_delay_seconds
+        longest_backoff = delay * 2 ** (self._settings.max_delivery_attempts - 1)
 
-        @broker.subscriber(topic, group_id=group, ack_policy=AckPolicy.MANUAL, auto_offset_reset="earliest")
+        # The same group reads both topics; manual acks; the body stays undecoded (see base).
+        subscriber = partial(
+            broker.subscriber,
+            group_id=group,
+            ack_policy=AckPolicy.MANUAL,
+            auto_offset_reset="earliest",
+            decoder=undecoded_body,
+            parser=fallback_parser(readable_headers),
+        )
+
+        @subscriber(topic)
         async def on_message(message: KafkaMessage) -> None:
             await handler(
                 KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
             )
 
-        @broker.subscriber(
-            retry_topic, group_id=group, ack_policy=AckPolicy.MANUAL, auto_offset_reset="earliest"
-        )
+        @subscriber(retry_topic)
         async def on_retry(message: KafkaMessage) -> None:
-            not_before = float(str(dict(message.headers or {}).get(NOT_BEFORE) or 0))
-            await asyncio.sleep(max(0.0, not_before - time.time()))
+            not_before = dict(message.headers or {}).get(NOT_BEFORE)
+            await asyncio.sleep(retry_wait(not_before, time.time(), longest_backoff))
             await handler(
                 KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
             )

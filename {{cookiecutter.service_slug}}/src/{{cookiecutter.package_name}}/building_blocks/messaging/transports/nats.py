@@ -39,6 +39,7 @@ from .base import (
     ReceivedMessage,
     as_text,
     dead_letter_headers,
+    undecoded_body,
 )
 
 ACK_WAIT_SECONDS = 30
@@ -116,6 +117,7 @@ class NatsTransport(FastStreamTransport):
                 filter_subject=subject,
             ),
             ack_policy=AckPolicy.MANUAL,
+            decoder=undecoded_body,
         )
         async def on_message(message: NatsMessage) -> None:
             await handler(

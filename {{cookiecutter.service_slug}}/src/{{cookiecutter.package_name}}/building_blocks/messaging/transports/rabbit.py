@@ -16,7 +16,7 @@ that into one line naming the queue, the setting and the safe way out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 from aiormq.exceptions import (
     AMQPConnectionError,
@@ -33,7 +33,7 @@ from faststream.rabbit.schemas import Channel
 from ....settings import MessageBusSettings
 from ...handlers import Consumer
 from ...registry import MessageRegistry
-from ..envelope import Envelope
+from ..envelope import Envelope, RejectedMessageError, Rejection
 from ..naming import EndpointNames
 from .base import (
     DeadLetterCopy,
@@ -41,7 +41,9 @@ from .base import (
     FastStreamTransport,
     ReceivedMessage,
     as_text,
+    broker_count,
     dead_letter_headers,
+    undecoded_body,
 )
 
 
@@ -57,13 +59,17 @@ class RabbitDelivery(ReceivedMessage):
         self._dlq = dlq
 
     async def attempt(self) -> int:
-        deaths = cast("list[dict[str, Any]]", self.headers.get("x-death") or [])
+        """Rejections counted in ``x-death`` plus crash redeliveries (``x-delivery-count``), plus
+        one. Both are the broker's; a shape it never writes rejects the message (see base)."""
+        deaths = self.headers.get("x-death") or []
+        if not isinstance(deaths, list) or not all(isinstance(death, dict) for death in deaths):
+            raise RejectedMessageError(Rejection.MALFORMED_HEADER, "x-death is not a list of tables")
         rejected = sum(
-            int(death.get("count", 0))
+            broker_count("x-death count", death.get("count", 0))
             for death in deaths
             if death.get("queue") == self._main and death.get("reason") == "rejected"
         )
-        crashed = int(str(self.headers.get("x-delivery-count") or 0))
+        crashed = broker_count("x-delivery-count", self.headers.get("x-delivery-count") or 0)
         return rejected + crashed + 1
 
     async def retry(self, attempt: int) -> None:
@@ -77,7 +83,7 @@ class RabbitDelivery(ReceivedMessage):
             headers=dict[str, Any](dead_letter_headers(self.headers, error, attempt, self._main)),
             persist=True,
             content_type=self._message.content_type or "application/json",
-            message_id=self.message_id,
+            message_id=self._message.message_id,  # the AMQP property as it came (a short string)
         )
         await self._message.ack()
 
@@ -118,7 +124,7 @@ class RabbitTransport(FastStreamTransport):
         main, _, dlq = self._queues(consumer)
         broker = self.broker
 
-        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL)
+        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL, decoder=undecoded_body)
         async def on_message(message: RabbitMessage) -> None:
             await handler(RabbitDelivery(message, broker, main.name, dlq.name))
 

@@ -13,15 +13,29 @@ transport keeps the entry ids in flight and drops such a copy unacknowledged: th
 acks it or leaves it pending, exactly as if the copy had never come. Another process can still
 take an entry whose heartbeat stalled past the idle time; the inbox makes that second run a
 duplicate that changes nothing.
+
+FastStream's stream parser fails on some entries anyone can ``XADD`` (a legacy JSON envelope
+whose ``headers`` is not an object, fields without ``__data__`` that are not UTF-8). The handler
+would never run and the entry would be reclaimed and fail again for ever; such an entry is read
+again as a message without headers whose body is the entry's raw bytes, and is dead-lettered
+like any other unreadable message (FastStream itself does the same for a header that is not
+UTF-8).
+
+FastStream 0.7.8's binary message format writes each header's length in characters but its
+bytes in UTF-8, so one non-ASCII value (a tenant ``zoë-gmbh``) shifted the whole header block:
+the consumer read the message without headers and rejected it as unsigned.
+:class:`Utf8BinaryMessageFormat` hands the headers over as UTF-8 bytes, whose length is their
+size; ASCII headers encode exactly as before, so old and new processes read each other.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from faststream import AckPolicy
@@ -29,11 +43,13 @@ from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
 from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
 from faststream.redis.message import bDATA_KEY
+from faststream.redis.parser.binary import BinaryMessageFormatV1
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....settings import MessageBusSettings
+from ...escaping import as_str
 from ...handlers import Consumer
 from ...registry import MessageRegistry
 from ..envelope import Envelope
@@ -45,6 +61,8 @@ from .base import (
     ReceivedMessage,
     as_text,
     dead_letter_headers,
+    fallback_parser,
+    undecoded_body,
 )
 
 log = logging.getLogger(__name__)
@@ -52,6 +70,29 @@ log = logging.getLogger(__name__)
 
 def as_entry_id(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+
+def raw_entry(fields: Mapping[Any, Any]) -> bytes:
+    """The bytes an unreadable stream entry carried: its ``__data__``, or all its fields."""
+    data = fields.get(bDATA_KEY)
+    if isinstance(data, bytes):
+        return data
+    return json.dumps({as_str(name): as_str(value) for name, value in fields.items()}).encode()
+
+
+def utf8_headers(headers: Mapping[str, Any]) -> dict[Any, Any]:
+    """Header names and text values as UTF-8 bytes (FastStream measures bytes correctly)."""
+    return {
+        name.encode(): value.encode() if isinstance(value, str) else value for name, value in headers.items()
+    }
+
+
+class Utf8BinaryMessageFormat(BinaryMessageFormatV1):
+    """FastStream's binary format with header names and values written as UTF-8 bytes."""
+
+    @classmethod
+    async def encode(cls, *, headers: dict[str, Any] | None, **parts: Any) -> bytes:  # noqa: ANN401
+        return await super().encode(headers=None if headers is None else utf8_headers(headers), **parts)
 
 
 class RedisDelivery(ReceivedMessage):
@@ -109,7 +150,9 @@ class RedisTransport(FastStreamTransport):
         del registry
         self._settings = settings
         self._names = names
-        self.broker = RedisBroker(settings.url or "redis://localhost:6379")
+        self.broker = RedisBroker(
+            settings.url or "redis://localhost:6379", message_format=Utf8BinaryMessageFormat
+        )
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
         self._in_flight: set[tuple[str, str, str]] = set()
 
@@ -146,8 +189,20 @@ class RedisTransport(FastStreamTransport):
 
         fresh = StreamSub(stream, group=group, consumer=self._member)
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
-        broker.subscriber(stream=fresh, ack_policy=AckPolicy.MANUAL)(on_message)
-        broker.subscriber(stream=reclaimer, ack_policy=AckPolicy.MANUAL)(on_message)
+        for source in (fresh, reclaimer):
+            broker.subscriber(
+                stream=source,
+                ack_policy=AckPolicy.MANUAL,
+                parser=fallback_parser(self._readable),
+                decoder=undecoded_body,
+            )(on_message)
+
+    async def _readable(self, entry: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The entry as a message without headers whose body is its raw bytes (see the module)."""
+        wrapped = await self.broker.message_format.encode(
+            message=raw_entry(entry["data"]), reply_to=None, headers={}, correlation_id=""
+        )
+        return {**entry, "data": {bDATA_KEY: wrapped}}
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         client = self.broker.config.connection.client

@@ -1,0 +1,48 @@
+"""Untrusted text made safe to write where a line or a byte means something: log lines and the
+header values of dead-letter copies.
+
+Control characters (C0 including CR, LF and NUL; DEL; C1 including NEL; the Unicode line and
+paragraph separators) and lone surrogates (which no UTF-8 encoder accepts) are replaced by a
+visible escape: ``\\n``, ``\\r``, ``\\t``, ``\\xNN`` or ``\\uNNNN``. Everything else, any other
+language's letters included, is kept as it is: the point is that one value stays one line of
+valid text, not that it becomes ASCII.
+"""
+
+from __future__ import annotations
+
+import re
+
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+ELLIPSIS = "..."  # ASCII: FastStream 0.7.8 writes Redis header lengths in characters, not bytes
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character and lone surrogate replaced by a visible escape."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def as_str(value: object) -> str:
+    """Any header value as text without raising: bytes that are not UTF-8 keep their bytes
+    visible as ``\\xNN`` instead of failing the decode."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return value if isinstance(value, str) else str(value)
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - len(ELLIPSIS)] + ELLIPSIS
+
+
+def safe_text(value: object, limit: int) -> str:
+    """An untrusted value as one line of valid text of at most ``limit`` characters."""
+    return bounded(escape_controls(as_str(value)), limit)

@@ -1,0 +1,427 @@
+"""Hostile input on the consume path of real brokers (RabbitMQ, NATS JetStream, Redis Streams).
+
+The messages are published raw, past the service's publisher, next to one legitimate message.
+Each hostile one must end in the consumer's dead-letter destination with its reason tag, counted;
+the legitimate one must be processed once; and nothing may stay unacknowledged or pending on the
+main queue or stream (where FastStream or the wrapper used to leave such messages for good).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
+    DeadLetterCopy,
+    ReceivedMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
+    NatsDelivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.rabbit import (
+    RabbitDelivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
+    RedisDelivery,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
+
+from ..conftest import SERVICE_URLS, eventually
+from ..kit import CounterChangedV1
+from .test_brokers import CONSUMER, TRANSPORTS, Start, effects_become, effects_of, envelope
+from .test_brokers import start as start  # the fixture  # noqa: PLC0414
+
+pytestmark = pytest.mark.integration
+EVENT = CounterChangedV1.message_name
+LEGIT_BODY = json.dumps({"counter_id": "c", "value": 99}).encode()
+HUGE_INT_BODY = b'{"counter_id": "c", "value": ' + b"9" * 5000 + b"}"  # past int's 4300 digits
+DEEP_BODY = b"[" * 100_000 + b"]" * 100_000  # RecursionError in json
+LONG_VALUE = "y" * 10_000
+HEADER_VALUE_LIMIT = 1024  # what a dead-letter copy keeps of one header value
+
+
+class NonUtf8LongString(str):
+    """An AMQP long-string header holding bytes that are not UTF-8, as a client in another
+    language may send it (pamqp encodes a ``str`` through ``encode``; bytes it refuses)."""
+
+    raw: bytes
+
+    def __new__(cls, raw: bytes) -> NonUtf8LongString:
+        value = super().__new__(cls, raw.decode("latin-1"))
+        value.raw = raw
+        return value
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        del encoding, errors
+        return self.raw
+
+
+@dataclass(frozen=True)
+class Hostile:
+    label: str
+    body: bytes
+    headers: dict[str, Any]
+    reason: str
+    message_id: str
+
+
+@dataclass
+class HostileBatch:
+    """The hostile messages of one transport, built on the running container's signer."""
+
+    container: Container
+    transport: str
+    messages: list[Hostile] = field(default_factory=list)
+
+    def add(
+        self,
+        label: str,
+        body: bytes,
+        reason: str,
+        *,
+        signed: bool = True,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        message_id = f"{label}-{uuid.uuid4().hex[:8]}"
+        headers = {
+            "x-message-id": message_id,
+            "x-event-name": EVENT,
+            "x-occurred-on": datetime.now(UTC).isoformat(),
+        }
+        if signed:
+            headers = self.container.signer().sign(headers, body)
+        self.messages.append(Hostile(label, body, headers | (extra or {}), reason, message_id))
+
+
+def hostile_messages(container: Container, transport: str) -> HostileBatch:
+    batch = HostileBatch(container, transport)
+    batch.add("unsigned-huge-int", HUGE_INT_BODY, "unsigned", signed=False)
+    batch.add("huge-int", HUGE_INT_BODY, "malformed_body")
+    batch.add("deep", DEEP_BODY, "malformed_body")
+    junk: dict[str, Any] = {"x-nul": "a\x00b", "x-long": LONG_VALUE, "x-newline": "a\r\nforged: yes"}
+    if transport == "nats":
+        junk = {"x-long": LONG_VALUE}  # NATS header values are single-line text by protocol
+    if transport == "rabbitmq":
+        junk |= {"x-junk": NonUtf8LongString(b"\xff\xfe not UTF-8"), "x-bytes": bytearray(b"\x00\xff")}
+    batch.add("junk-headers", LEGIT_BODY, "unsigned", signed=False, extra=junk)
+    if transport == "rabbitmq":  # counters the broker writes; forged here
+        batch.add("forged-x-death", LEGIT_BODY, "malformed_header", extra={"x-death": "garbage"})
+        batch.add("forged-delivery-count", LEGIT_BODY, "malformed_header", extra={"x-delivery-count": "abc"})
+    return batch
+
+
+async def publish_raw_rabbitmq(container: Container, messages: list[Hostile]) -> None:
+    import aio_pika
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+    async with connection:
+        channel = await connection.channel()
+        exchange = await channel.get_exchange(names.exchange(), ensure=False)
+        for message in messages:
+            await exchange.publish(
+                aio_pika.Message(message.body, headers=message.headers), routing_key=names.channel(EVENT)
+            )
+
+
+async def publish_raw_nats(container: Container, messages: list[Hostile]) -> None:
+    import nats
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    client = await nats.connect(SERVICE_URLS["nats"])
+    try:
+        js = client.jetstream()
+        for message in messages:
+            await js.publish(
+                names.channel(EVENT), message.body, headers=message.headers, stream=names.stream("events")
+            )
+    finally:
+        await client.close()
+
+
+async def publish_raw_redis(container: Container, messages: list[Hostile]) -> None:
+    """Entries in FastStream's binary format; the junk headers in its legacy JSON form, which
+    carries any JSON value as a header; one more entry whose JSON ``headers`` is no object."""
+    from faststream.redis.parser.binary import BinaryMessageFormatV1
+
+    bus = container.bus()
+    client = bus.broker.config.connection.client  # type: ignore[attr-defined]
+    stream = bus.names.channel(EVENT)  # type: ignore[attr-defined]
+    for message in messages:
+        if message.label == "junk-headers":
+            legacy = {"data": message.body.decode(), "headers": message.headers | {"x-nested": {"a": [1]}}}
+            data = json.dumps(legacy).encode()
+        else:
+            data = await BinaryMessageFormatV1.encode(
+                message=message.body, reply_to=None, headers=message.headers, correlation_id="raw"
+            )
+        await client.xadd(stream, {"__data__": data})
+
+
+PUBLISH_RAW: dict[str, Callable[[Container, list[Hostile]], Awaitable[None]]] = {
+    "rabbitmq": publish_raw_rabbitmq,
+    "nats": publish_raw_nats,
+    "redis": publish_raw_redis,
+}
+
+
+def redis_only_messages(batch: HostileBatch) -> None:
+    """What only Redis can carry: a header value that is not UTF-8 (FastStream then drops every
+    header of the entry), and a legacy envelope whose ``headers`` is a list (FastStream's parser
+    fails on it)."""
+    batch.add("non-utf8-header", LEGIT_BODY, "unsigned", signed=False, extra={"x-junk": b"\xff\xfe"})
+    batch.add("headers-list", LEGIT_BODY, "unsigned", signed=False)
+
+
+async def publish_redis_only(container: Container, messages: list[Hostile]) -> None:
+    from faststream.redis.parser.binary import BinaryMessageFormatV1
+
+    bus = container.bus()
+    client = bus.broker.config.connection.client  # type: ignore[attr-defined]
+    stream = bus.names.channel(EVENT)  # type: ignore[attr-defined]
+    for message in messages:
+        if message.label == "headers-list":
+            data = json.dumps(
+                {"data": f"{message.message_id} body", "headers": [message.message_id]}
+            ).encode()
+        else:
+            data = await BinaryMessageFormatV1.encode(
+                message=message.body, reply_to=None, headers=message.headers, correlation_id="raw"
+            )
+        await client.xadd(stream, {"__data__": data})
+
+
+def identify(letter: DeadLetterCopy, messages: list[Hostile]) -> str | None:
+    """The hostile message a dead letter is a copy of: by its id header, or by its body where the
+    transport could not read the headers (the raw entry, id included, became the body)."""
+    by_header = letter.headers.get("x-message-id")
+    if by_header:
+        return by_header
+    return next((m.message_id for m in messages if m.message_id.encode() in letter.body), None)
+
+
+async def dead_letters_of(
+    container: Container, messages: list[Hostile], timeout: float, expected: int | None = None
+) -> dict[str, DeadLetterCopy]:
+    """The consumer's dead letters by message id, once ``expected`` (default: one per message)
+    arrived or ``timeout`` passed."""
+    found: dict[str, DeadLetterCopy] = {}
+    wanted = len(messages) if expected is None else expected
+    deadline = time.monotonic() + timeout
+    while len(found) < wanted and time.monotonic() < deadline:
+        for letter in await container.bus().dead_letters(CONSUMER):  # type: ignore[attr-defined]
+            key = identify(letter, messages)
+            found[key or f"unidentified-{len(found)}"] = letter
+        await asyncio.sleep(0.2)
+    return found
+
+
+async def rabbitmq_leftovers(container: Container) -> dict[str, int]:
+    """Messages left on the main and retry queues once the consumer is gone. A message the service
+    never acknowledged is requeued when its channel closes, so it is counted here as ready: no
+    management plugin needed to see unacked ones."""
+    import aio_pika
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+    async with connection:
+        channel = await connection.channel()
+        counts = {}
+        for name in (names.queue(CONSUMER), names.retry_queue(CONSUMER)):
+            queue = await channel.declare_queue(name, passive=True)
+            counts[name] = queue.declaration_result.message_count
+        return counts
+
+
+async def nats_leftovers(container: Container) -> dict[str, int]:
+    import nats
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    client = await nats.connect(SERVICE_URLS["nats"])
+    try:
+        durable = re.sub(r"[^A-Za-z0-9_-]", "_", names.queue(CONSUMER))
+        info = await client.jetstream().consumer_info(names.stream("events"), durable)
+        return {"num_ack_pending": info.num_ack_pending, "num_pending": info.num_pending}
+    finally:
+        await client.close()
+
+
+async def redis_leftovers(container: Container) -> dict[str, int]:
+    from redis.asyncio import Redis
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    client = Redis.from_url(SERVICE_URLS["redis"])
+    try:
+        stream, group = names.channel(EVENT), names.queue(CONSUMER)
+        pending = await client.xpending(stream, group)
+        (info,) = [g for g in await client.xinfo_groups(stream) if g["name"].decode() == group]
+        return {"pending": pending["pending"], "lag": info["lag"]}
+    finally:
+        await client.aclose()
+
+
+LEFTOVERS: dict[str, Callable[[Container], Awaitable[dict[str, int]]]] = {
+    "rabbitmq": rabbitmq_leftovers,
+    "nats": nats_leftovers,
+    "redis": redis_leftovers,
+}
+
+
+def counted(container: Container, metric: str, reason: str) -> float:
+    registry = container.metrics().registry
+    return registry.get_sample_value(metric, {"consumer": CONSUMER, "reason": reason}) or 0.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_hostile_messages_are_dead_lettered_with_their_reason_and_none_stays_pending(
+    start: Start, transport: str
+) -> None:
+    container, observer = await start(transport)
+    batch = hostile_messages(container, transport)
+    await PUBLISH_RAW[transport](container, batch.messages)
+    if transport == "redis":
+        common = len(batch.messages)
+        redis_only_messages(batch)
+        await publish_redis_only(container, batch.messages[common:])
+    legit = envelope(5)
+    await container.bus().publish(legit)
+
+    letters = await dead_letters_of(container, batch.messages, timeout=30)
+    await effects_become(container, ["consumed:5"], timeout=30)
+    await asyncio.sleep(1.0)  # three redelivery delays: a message still cycling would show
+    await container.worker().stop()  # RabbitMQ requeues what was left unacknowledged
+
+    reasons = {key: letter.error for key, letter in letters.items()}
+    assert sorted(reasons) == sorted(m.message_id for m in batch.messages), reasons
+    for message in batch.messages:
+        assert reasons[message.message_id].startswith(f"rejected: {message.reason}:"), message.label
+    assert [seen["message_id"] for seen in observer.seen] == [legit.message_id]
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}
+    for reason in {m.reason for m in batch.messages}:
+        expected = sum(1 for m in batch.messages if m.reason == reason)
+        assert counted(container, "inbox_rejected_total", reason) == expected, reason
+        assert counted(container, "inbox_dead_letters_total", reason) == expected, reason
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_dead_letter_copy_carries_only_clean_bounded_header_values(
+    start: Start, transport: str
+) -> None:
+    """Header values copied onto a dead-letter copy are valid UTF-8 text without NUL or line
+    breaks, and bounded in length, whatever the original carried."""
+    container, _ = await start(transport)
+    batch = HostileBatch(container, transport)
+    junk = hostile_messages(container, transport).messages[3]
+    batch.messages.append(junk)
+    await PUBLISH_RAW[transport](container, batch.messages)
+    letters = await dead_letters_of(container, batch.messages, timeout=30)
+    (letter,) = letters.values()
+    assert letter.headers["x-message-id"] == junk.message_id
+    for name, value in letter.headers.items():
+        assert value.encode("utf-8").decode("utf-8") == value
+        assert not re.search(r"[\x00-\x1f\x7f-\x9f]", value), name
+        assert len(value) <= HEADER_VALUE_LIMIT, name
+    assert letter.headers["x-long"] == "y" * (HEADER_VALUE_LIMIT - 3) + "..."
+    if transport != "nats":
+        assert letter.headers["x-nul"] == r"a\x00b"
+        assert letter.headers["x-newline"] == r"a\r\nforged: yes"
+    if transport == "rabbitmq":
+        assert letter.headers["x-junk"] == r"\xff\xfe not UTF-8"
+        assert letter.headers["x-bytes"] == r"\x00\xff"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_acknowledgement_that_fails_once_leaves_nothing_unacknowledged(
+    start: Start, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handler committed, then the acknowledgement raised (a connection blip). The wrapper's
+    last resort hands the message to the broker's bounded redelivery; the inbox makes that second
+    run a duplicate, which is acknowledged: one effect, no dead letter, nothing pending."""
+    acknowledge = ReceivedMessage.ack
+    failed: list[str] = []
+
+    async def fails_once(self: ReceivedMessage) -> None:
+        if not failed:
+            failed.append(self.message_id)
+            raise ConnectionResetError("the acknowledgement was lost")
+        await acknowledge(self)
+
+    monkeypatch.setattr(ReceivedMessage, "ack", fails_once)
+    container, observer = await start(transport)
+    await container.bus().publish(envelope(6))
+    registry = container.metrics().registry
+    await eventually(
+        lambda: registry.get_sample_value("inbox_duplicates_total", {"consumer": CONSUMER}) == 1.0,
+        timeout=20,
+    )
+    await asyncio.sleep(1.0)  # three redelivery delays: a message still cycling would show
+    await container.worker().stop()
+    assert failed
+    assert await effects_of(container) == ["consumed:6"]
+    assert len(observer.seen) == 1
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}
+    assert counted(container, "inbox_dead_letters_total", "internal_error") == 0
+
+
+DELIVERIES = {"rabbitmq": RabbitDelivery, "nats": NatsDelivery, "redis": RedisDelivery}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_an_unexpected_error_before_the_attempt_is_known_dead_letters_the_message(
+    start: Start, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without an attempt number a retry could not be bounded, so an error the wrapper did not
+    expect at that point dead-letters the message at once, with the error, counted."""
+
+    async def broken(self: object) -> int:
+        del self
+        raise RuntimeError("the delivery count could not be read")
+
+    monkeypatch.setattr(DELIVERIES[transport], "attempt", broken)
+    container, observer = await start(transport)
+    message = envelope(7)
+    await container.bus().publish(message)
+    letters = await dead_letters_of(container, [], timeout=20, expected=1)
+    await container.worker().stop()
+    assert [letter.headers["x-message-id"] for letter in letters.values()] == [message.message_id]
+    (letter,) = letters.values()
+    assert letter.error == "internal_error: RuntimeError: the delivery count could not be read"
+    assert letter.headers["x-attempts"] == "0"
+    assert observer.seen == []
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}
+    assert counted(container, "inbox_dead_letters_total", "internal_error") == 1
+
+
+@pytest.mark.rabbitmq
+async def test_a_refused_dead_letter_copy_leaves_no_rabbitmq_message_unacknowledged(start: Start) -> None:
+    """The dead-letter queue is gone (deleted by hand), so every copy is refused (NO_ROUTE). The
+    message is handed back through the retry queue instead of staying unacknowledged (where it
+    would also hold a prefetch slot), and reaches the dead-letter queue once that exists again."""
+    import aio_pika
+
+    container, _ = await start("rabbitmq")
+    dead_letter_queue = container.bus().names.dead_letters(CONSUMER)  # type: ignore[attr-defined]
+    batch = HostileBatch(container, "rabbitmq")
+    batch.add("unsigned", LEGIT_BODY, "unsigned", signed=False)
+    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+    async with connection:
+        channel = await connection.channel()
+        await channel.queue_delete(dead_letter_queue)
+        await publish_raw_rabbitmq(container, batch.messages)
+        await asyncio.sleep(2.0)  # several 0.3 s retry cycles, every copy refused
+        await channel.declare_queue(dead_letter_queue, durable=True)
+    letters = await dead_letters_of(container, batch.messages, timeout=20)
+    await container.worker().stop()
+    assert list(letters) == [batch.messages[0].message_id]
+    assert set((await LEFTOVERS["rabbitmq"](container)).values()) == {0}
