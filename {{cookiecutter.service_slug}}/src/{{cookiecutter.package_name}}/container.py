@@ -194,7 +194,7 @@ def build_tokens(settings: Settings) -> TokenService:
 def retention_policy(settings: Settings) -> RetentionPolicy:
     return RetentionPolicy(
         retention_days=settings.outbox.retention_days,
-        dead_letter_retention_days=settings.outbox.dead_letter_retention_days,
+        dead_letter_days=settings.outbox.dead_letter_window_days,
         inbox_retention_days=settings.inbox.retention_days,
         batch_size=settings.outbox.cleanup_batch_size,
     )
@@ -330,6 +330,7 @@ def startup_diagnostics(container: Container) -> None:
             "handlers twice unless every handler is idempotent on its own.",
             bus.transport,
         )
+    warn_when_replays_would_turn_stale(settings)
     if bus.is_broker and not bus.signing_keys:
         log.warning(
             "No MESSAGE_BUS__SIGNING_KEYS: context headers are unsigned, so any publisher on the "
@@ -340,4 +341,21 @@ def startup_diagnostics(container: Container) -> None:
             "MESSAGE_BUS__ALLOW_UNSIGNED=true: messages are signed, but unsigned ones are accepted "
             "too, so any publisher on the broker can still claim any tenant or user. Turn it off "
             "once every producer signs."
+        )
+
+
+def warn_when_replays_would_turn_stale(settings: Settings) -> None:
+    """Consumers refuse a message older than ``INBOX__RETENTION_DAYS`` (its duplicate could no
+    longer be recognised); a dead letter replayed late in its window must not be one."""
+    inbox_days = settings.inbox.retention_days
+    dead_letter_days = settings.outbox.dead_letter_window_days
+    if inbox_days and (dead_letter_days == 0 or inbox_days <= dead_letter_days):
+        kept = "forever" if dead_letter_days == 0 else f"{dead_letter_days} days"
+        log.warning(
+            "INBOX__RETENTION_DAYS=%s does not exceed how long outbox dead letters are kept (%s): "
+            "a dead letter replayed late reaches its consumers as stale and is dead-lettered "
+            "there. Keep the inbox longer than OUTBOX__DEAD_LETTER_RETENTION_DAYS (0 = "
+            "OUTBOX__RETENTION_DAYS) plus the time a replay takes.",
+            inbox_days,
+            kept,
         )

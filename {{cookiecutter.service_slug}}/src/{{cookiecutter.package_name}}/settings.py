@@ -149,14 +149,21 @@ class OutboxSettings(BaseModel):
     metrics_interval_seconds: float = Field(default=15.0, gt=0)
 
     @property
+    def dead_letter_window_days(self) -> int:
+        """How long dead letters are kept (and can be replayed); 0 = forever."""
+        return self.dead_letter_retention_days or self.retention_days
+
+    @property
     def effective_claim_window(self) -> int:
         return self.claim_window or 8 * self.batch_size
 
 
 class InboxSettings(BaseModel):
-    """Consumer-side deduplication records."""
+    """Consumer-side deduplication records. Kept twice as long as outbox dead letters by
+    default: a message older than the inbox remembers is refused as stale, and a dead letter
+    replayed on the last day of its window must still be accepted."""
 
-    retention_days: int = Field(default=7, ge=0)
+    retention_days: int = Field(default=14, ge=0)
 
 
 class AuthSettings(BaseModel):

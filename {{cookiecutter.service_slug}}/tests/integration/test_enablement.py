@@ -139,3 +139,30 @@ def test_the_worker_runs_the_outbox_processor_only_when_the_outbox_is_on(
 ) -> None:
     container = build_container(make_settings(sqlite_url, message_bus=bus))
     assert [source.name for source in container.sources()] == expected
+
+
+@pytest.mark.parametrize(
+    ("outbox", "inbox_days", "warns"),
+    [
+        ({}, None, False),  # the defaults keep the invariant: 14 days of inbox > 7 of dead letters
+        ({"dead_letter_retention_days": 30}, 14, True),
+        ({"retention_days": 10}, 10, True),  # dead letters fall back to RETENTION_DAYS
+        ({"retention_days": 0}, 14, True),  # dead letters are never purged
+        ({"retention_days": 0}, 0, False),  # and neither is the inbox: nothing turns stale
+    ],
+)
+def test_an_inbox_that_forgets_before_a_dead_letter_can_be_replayed_warns(
+    sqlite_url: str,
+    caplog: pytest.LogCaptureFixture,
+    outbox: dict[str, Any],
+    inbox_days: int | None,
+    warns: bool,
+) -> None:
+    """A consumer refuses (as stale) a message older than its inbox remembers. A dead letter of
+    this service replayed late in its retention window would reach its own consumers stale, so
+    the inbox must outlive the dead letters."""
+    inbox = {} if inbox_days is None else {"retention_days": inbox_days}
+    settings = make_settings(sqlite_url, outbox=outbox, inbox=inbox)
+    with caplog.at_level(logging.WARNING):
+        startup_diagnostics(build_container(settings))
+    assert ("INBOX__RETENTION_DAYS" in caplog.text) is warns

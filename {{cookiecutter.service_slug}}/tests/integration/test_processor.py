@@ -339,6 +339,9 @@ async def test_a_replayed_head_waits_while_a_later_row_of_its_key_is_in_flight(c
     await container.admin().replay("outbox", [str(poison)], actor="test")
     replica = outbox_source(container, ScriptedDeliverer(), clock)
     assert await replica.claim(uuid.uuid4()) == [], "two rows of key 'k' in flight at once"
+    waiting = await container.admin().explain("outbox", str(poison))
+    assert waiting.state == "blocked"
+    assert f"row {later} " in waiting.detail
     finish.set()
     await first
     assert (await state(container, later)).processed_on is not None

@@ -68,3 +68,28 @@ def test_headers_over_the_total_limit_are_rejected() -> None:
     with pytest.raises(RejectedMessageError) as rejected:
         read_envelope(headers, BODY, signer, max_header_bytes=600)
     assert rejected.value.reason == "oversized_header"
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-tenant-id", "acme\r\nx-forged: 1"),
+        ("x-user-id", "alice\x00"),
+        ("x-user-roles", "clerk,\x1b[31madmin"),
+        ("x-message-id", "m-1\n2026-01-01 ERROR forged"),
+        ("x-event-name", "orders.order-placed.v1\x85"),
+    ],
+)
+def test_an_identity_header_with_a_control_character_is_refused_even_when_signed(
+    header: str, value: str
+) -> None:
+    """A producer holding a key (or a bug in one) cannot put a control character into the
+    tenant, user, roles, message id or event name that a consumer stores and logs: the same rule
+    the API applies to a token's claims."""
+    signer = Signer({"k1": "secret"}, "k1", allow_unsigned=False)
+    e = envelope()
+    headers = e.headers() | {header: value}
+    with pytest.raises(RejectedMessageError) as rejected:
+        read_envelope(signer.sign(headers, e.body), e.body, signer)
+    assert rejected.value.reason == "malformed_header"
+    assert header in rejected.value.detail

@@ -4,7 +4,8 @@ Every URL the service logs or shows (the development banner, readiness errors, a
 a library's included) has its password masked by :func:`mask_credentials`:
 ``postgresql://app:***@db/app``. The user name stays (it says which account failed); a URL
 without a password is unchanged. :class:`CredentialMaskingFilter` applies it to every record a
-handler writes, message and traceback.
+handler writes, message and traceback; ``entrypoints.logging_setup`` puts it on the process's
+one handler.
 """
 
 from __future__ import annotations
@@ -35,11 +36,3 @@ class CredentialMaskingFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = mask_credentials(record.exc_text)
         return True
-
-
-def install_credential_masking(logger: logging.Logger) -> None:
-    """Add the filter to every handler of ``logger`` (handler filters see propagated records,
-    logger filters do not)."""
-    for handler in logger.handlers:
-        if not any(isinstance(f, CredentialMaskingFilter) for f in handler.filters):
-            handler.addFilter(CredentialMaskingFilter())

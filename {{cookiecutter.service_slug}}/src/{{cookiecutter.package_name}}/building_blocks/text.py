@@ -1,4 +1,4 @@
-"""Text from outside (an exception's message, a broker header, a request) made safe to store.
+"""Text from outside (an exception's message, a broker header, a request) made safe to keep.
 
 PostgreSQL refuses NUL in text, and no driver encodes a lone surrogate (how Python keeps bytes
 it could not decode): stored as it came, such a text makes the very write that records a failure
@@ -10,6 +10,12 @@ HTTP edge), so SQLite, which would keep it, and PostgreSQL give one answer, and 
 what the caller sent. Identities (tenant, user, roles) are stricter: no control character at all
 (:func:`is_plain_identifier`), since they are copied into headers, log lines and every table.
 Refusals echo at most a short prefix of what they refused (:func:`shorten`).
+
+Text written where a line or a byte means something (log lines, the header values of dead-letter
+copies) is escaped instead (:func:`escape_controls`, :func:`safe_text`): control characters (C0
+with CR, LF and NUL; DEL; C1 with NEL; the Unicode line and paragraph separators) and lone
+surrogates become a visible ``\\n``, ``\\xNN`` or ``\\uNNNN``, and everything else, any other
+language's letters included, stays as it is: one value stays one line of valid text.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ _UNSTORABLE_CLASS = "\x00\ud800-\udfff"  # the same code points, as a pattern's 
 _HAS_UNSTORABLE = re.compile(f"[{_UNSTORABLE_CLASS}]")
 _HAS_CONTROL_OR_UNSTORABLE = re.compile(f"[\x01-\x1f\x7f-\x9f{_UNSTORABLE_CLASS}]")
 ECHO_LIMIT = 64
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+ELLIPSIS = "..."  # ASCII: FastStream 0.7.8 writes Redis header lengths in characters, not bytes
 
 
 def storable(text: str, limit: int) -> str:
@@ -51,5 +60,36 @@ def is_plain_identifier(text: str) -> bool:
 
 
 def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
-    """At most ``limit`` characters of ``text``, marked with ``...`` when cut (for echoes)."""
-    return text if len(text) <= limit else f"{text[:limit]}..."
+    """The first ``limit`` characters of ``text``, marked with ``...`` when cut (for echoes)."""
+    return bounded(text, limit + len(ELLIPSIS))
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with every control character and lone surrogate replaced by a visible escape."""
+    return _UNSAFE.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    char = match.group()
+    if char in _NAMED:
+        return _NAMED[char]
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def as_str(value: object) -> str:
+    """Any header value as text without raising: bytes that are not UTF-8 keep their bytes
+    visible as ``\\xNN`` instead of failing the decode."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "backslashreplace")
+    return value if isinstance(value, str) else str(value)
+
+
+def bounded(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - len(ELLIPSIS)] + ELLIPSIS
+
+
+def safe_text(value: object, limit: int) -> str:
+    """An untrusted value as one line of valid text of at most ``limit`` characters."""
+    return bounded(escape_controls(as_str(value)), limit)

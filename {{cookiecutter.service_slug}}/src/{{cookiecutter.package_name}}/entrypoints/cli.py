@@ -11,7 +11,6 @@ import asyncio
 import getpass
 import ipaddress
 import json
-import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,7 +22,7 @@ from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
 from ..building_blocks.outbox.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
-from ..building_blocks.redaction import install_credential_masking, mask_credentials
+from ..building_blocks.redaction import mask_credentials
 from ..container import Container, build_container
 from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
@@ -265,7 +264,6 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = _settings()
     configure_logging(settings.logging)
-    install_credential_masking(logging.getLogger())
     container = build_container(settings)
     if args.command in ("run", "api"):
         host = args.host or settings.api.host

@@ -6,7 +6,8 @@ one line starting with its time, the rendered line has its control characters es
 newline in a message id cannot start a forged record, an ESC cannot repaint a terminal, a lone
 surrogate cannot break the write), and the lines of a traceback or stack follow it indented.
 Escaping here, once, covers every log call. The JSON format needs nothing more: ``json.dumps``
-escapes control characters and surrogates inside each value.
+escapes control characters and surrogates inside each value. In both formats a URL's password is
+masked, in the message and in the traceback (``building_blocks.redaction``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,17 @@ import logging
 import sys
 
 from ..building_blocks.context import current_context
-from ..building_blocks.escaping import escape_controls
+from ..building_blocks.redaction import CredentialMaskingFilter
+from ..building_blocks.text import escape_controls
 from ..settings import LoggingSettings
+
+
+def _exception_text(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:
+    """The record's traceback, formatted once and cached on the record as ``logging`` does, so
+    what a filter made of it (credentials masked) is what gets written."""
+    if record.exc_info and not record.exc_text:
+        record.exc_text = formatter.formatException(record.exc_info)
+    return record.exc_text or None
 
 
 class _ContextFilter(logging.Filter):
@@ -38,8 +48,8 @@ class _JsonFormatter(logging.Formatter):
             "correlation_id": getattr(record, "correlation_id", None),
             "tenant_id": getattr(record, "tenant_id", None),
         }
-        if record.exc_info:
-            entry["exception"] = self.formatException(record.exc_info)
+        if exception := _exception_text(self, record):
+            entry["exception"] = exception
         return json.dumps(entry)
 
 
@@ -52,10 +62,8 @@ class _TextFormatter(logging.Formatter):
         record.message = record.getMessage()
         record.asctime = self.formatTime(record, self.datefmt)
         details = []
-        if record.exc_info:
-            details.append(self.formatException(record.exc_info))
-        elif record.exc_text:
-            details.append(record.exc_text)
+        if exception := _exception_text(self, record):
+            details.append(exception)
         if record.stack_info:
             details.append(self.formatStack(record.stack_info))
         continued = [CONTINUATION + escape_controls(line) for text in details for line in text.splitlines()]
@@ -65,6 +73,7 @@ class _TextFormatter(logging.Formatter):
 def configure_logging(settings: LoggingSettings) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_ContextFilter())
+    handler.addFilter(CredentialMaskingFilter())  # after the context: it reads the final message
     handler.setFormatter(_JsonFormatter() if settings.json_format else _TextFormatter(TEXT_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]

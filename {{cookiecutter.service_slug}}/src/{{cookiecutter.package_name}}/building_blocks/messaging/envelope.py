@@ -32,6 +32,7 @@ from ..context import (
     validate_correlation_id,
     validate_traceparent,
 )
+from ..text import is_plain_identifier
 
 MESSAGE_ID = "x-message-id"
 EVENT_NAME = "x-event-name"
@@ -52,6 +53,7 @@ SIGNED_HEADERS = (
     CORRELATION_ID,
     TRACEPARENT,
 )
+IDENTIFIER_HEADERS = (MESSAGE_ID, EVENT_NAME, TENANT_ID, USER_ID, USER_ROLES)
 LIMITS = {
     MESSAGE_ID: 128,
     EVENT_NAME: 200,
@@ -156,6 +158,26 @@ def read_envelope(
 ) -> Envelope:
     """Validate headers (each within its limit, all within ``max_header_bytes``), verify the
     signature, and only then build the envelope."""
+    headers = _bounded_headers(raw_headers, max_header_bytes)
+    signer.verify(headers, body)
+    for required in (MESSAGE_ID, EVENT_NAME):
+        if not headers.get(required):
+            raise RejectedMessageError(Rejection.MALFORMED_HEADER, f"{required} is missing")
+    for name in IDENTIFIER_HEADERS:
+        if not is_plain_identifier(headers.get(name, "")):
+            # Stored in the inbox, restored as the caller, logged: the API's rule for claims.
+            raise RejectedMessageError(Rejection.MALFORMED_HEADER, f"{name} holds a control character")
+    return Envelope(
+        message_id=headers[MESSAGE_ID],
+        event_name=headers[EVENT_NAME],
+        occurred_on=_occurred_on(headers),
+        body=body,
+        context=_context(headers),
+    )
+
+
+def _bounded_headers(raw_headers: Mapping[str, object], max_header_bytes: int) -> dict[str, str]:
+    """Our headers as text, each within its own limit and all within ``max_header_bytes``."""
     headers: dict[str, str] = {}
     for name, limit in LIMITS.items():
         value = raw_headers.get(name)
@@ -177,30 +199,30 @@ def read_envelope(
         raise RejectedMessageError(
             Rejection.OVERSIZED_HEADER, f"the context headers take {total} bytes (limit {max_header_bytes})"
         )
-    signer.verify(headers, body)
-    for required in (MESSAGE_ID, EVENT_NAME):
-        if not headers.get(required):
-            raise RejectedMessageError(Rejection.MALFORMED_HEADER, f"{required} is missing")
+    return headers
+
+
+def _context(headers: Mapping[str, str]) -> CapturedContext:
     try:
         correlation = headers.get(CORRELATION_ID)
-        context = CapturedContext(
+        return CapturedContext(
             tenant_id=headers.get(TENANT_ID) or None,
             user_id=headers.get(USER_ID) or None,
             user_roles=headers.get(USER_ROLES) or None,
             correlation_id=validate_correlation_id(correlation) if correlation else None,
             traceparent=validate_traceparent(headers.get(TRACEPARENT)),
         )
+    except InvalidContextError as error:
+        raise RejectedMessageError(Rejection.MALFORMED_HEADER, str(error)) from error
+
+
+def _occurred_on(headers: Mapping[str, str]) -> datetime:
+    try:
         occurred_on = datetime.fromisoformat(headers[OCCURRED_ON]) if OCCURRED_ON in headers else None
-    except (InvalidContextError, ValueError) as error:
+    except ValueError as error:
         raise RejectedMessageError(Rejection.MALFORMED_HEADER, str(error)) from error
     if occurred_on is None or occurred_on.tzinfo is None:
         raise RejectedMessageError(
             Rejection.MALFORMED_HEADER, f"{OCCURRED_ON} must be an aware ISO timestamp"
         )
-    return Envelope(
-        message_id=headers[MESSAGE_ID],
-        event_name=headers[EVENT_NAME],
-        occurred_on=occurred_on,
-        body=body,
-        context=context,
-    )
+    return occurred_on

@@ -279,7 +279,12 @@ class OutboxAdministration:
                         sa.select(c.id, c.seq, c.tenant_id)
                         .where(
                             c.ordering_key == row.ordering_key,
-                            c.seq < row.seq,
+                            # an earlier row of the key, or a later one in flight (the claim
+                            # holds a replayed head back until its overtaking key-mate is done)
+                            sa.or_(
+                                c.seq < row.seq,
+                                sa.and_(c.id != row.id, c.lock_token.is_not(None), c.locked_until >= now),
+                            ),
                             c.processed_on.is_(None),
                             c.dead_lettered_on.is_(None),
                         )

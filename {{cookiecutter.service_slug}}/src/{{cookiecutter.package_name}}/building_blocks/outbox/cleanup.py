@@ -34,13 +34,9 @@ INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
 @dataclass(frozen=True)
 class RetentionPolicy:
     retention_days: int
-    dead_letter_retention_days: int
+    dead_letter_days: int  # resolved: OUTBOX__DEAD_LETTER_RETENTION_DAYS, else RETENTION_DAYS
     inbox_retention_days: int
     batch_size: int
-
-    @property
-    def dead_letter_days(self) -> int:
-        return self.dead_letter_retention_days or self.retention_days
 
 
 class RetentionCleaner:

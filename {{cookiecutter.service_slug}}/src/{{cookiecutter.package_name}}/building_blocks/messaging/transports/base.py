@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...escaping import as_str, safe_text
 from ...handlers import Consumer
+from ...text import as_str, safe_text
 from ..envelope import LIMITS, MESSAGE_ID, Envelope, RejectedMessageError, Rejection
 
 OWN_HEADER_PREFIXES = ("x-", "traceparent")

@@ -52,10 +52,10 @@ from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.message import KafkaMessage as KafkaMessageType
 
 from ....settings import MessageBusSettings
-from ...escaping import as_str
 from ...handlers import Consumer
 from ...messages import IntegrationEvent
 from ...registry import MessageRegistry
+from ...text import as_str
 from ..envelope import Envelope
 from ..naming import EndpointNames
 from .base import (

@@ -49,9 +49,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....settings import MessageBusSettings
-from ...escaping import as_str
 from ...handlers import Consumer
 from ...registry import MessageRegistry
+from ...text import as_str
 from ..envelope import Envelope
 from ..naming import EndpointNames
 from .base import (
