@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-import {{ cookiecutter.package_name }}.building_blocks.persistence.models  # noqa: F401 (registers tables)
+import {{ cookiecutter.package_name }}.building_blocks.persistence.tables  # noqa: F401 (registers tables)
 from {{ cookiecutter.package_name }}.container import (
     build_modules,
 )

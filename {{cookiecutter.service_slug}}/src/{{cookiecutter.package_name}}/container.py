@@ -2,59 +2,64 @@
 
 Everything is built lazily from :class:`Settings`; tests override a provider
 (``container.settings.override(...)``) instead of patching modules. Bounded contexts are
-discovered (every sub-package with a ``module.py``), their messages registered, their handlers
+discovered (every folder of ``contexts/`` with a ``module.py``), their messages registered, their handlers
 registered, and the registry validated at start-up, so a duplicate name or a broken upcaster
 chain stops the service before it touches a row.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import socket
-import sys
 from datetime import timedelta
 from types import ModuleType
 
 from dependency_injector import containers, providers
 
 from .about import SERVICE_SLUG
-from .building_blocks.auth import TokenService
-from .building_blocks.clock import system_clock
-from .building_blocks.commands import COMMAND_TABLE, CommandDeliverer
-from .building_blocks.handlers import HandlerRegistry
+from .building_blocks.application.handlers import HandlerRegistry
+from .building_blocks.application.module import (
+    Module,
+    collect_adapters,
+    discover_modules,
+    import_table_modules,
+)
+from .building_blocks.application.registry import MessageRegistry
+from .building_blocks.brokers.in_process import InProcessBus
+from .building_blocks.commands.deliverer import COMMAND_TABLE, CommandDeliverer
 from .building_blocks.inbox.pipeline import ConsumePipeline
+from .building_blocks.kernel.clock import system_clock
+from .building_blocks.kernel.metrics import RelayMetrics
+from .building_blocks.kernel.tracing import NoTracing, OpenTelemetryTracing, Tracing
 from .building_blocks.messaging.bus import MessageBus
 from .building_blocks.messaging.circuit import CircuitBreaker
 from .building_blocks.messaging.direct import DirectPublisher
 from .building_blocks.messaging.envelope import Signer
-from .building_blocks.messaging.inprocess import InProcessBus
-from .building_blocks.module import Module, collect_adapters, discover_modules, import_table_modules
-from .building_blocks.outbox.admin import OutboxAdministration
-from .building_blocks.outbox.capture import OUTBOX_TABLE, OutboxWriter, notify_channel
-from .building_blocks.outbox.cleanup import RetentionCleaner, RetentionPolicy
-from .building_blocks.outbox.dispatch import LocalDispatcher
-from .building_blocks.outbox.metrics import OutboxMetrics
-from .building_blocks.outbox.processor import OutboxDeliverer
+from .building_blocks.operations.admin import OutboxAdministration
+from .building_blocks.operations.retention import RetentionCleaner, RetentionPolicy
+from .building_blocks.outbox.deliverer import OutboxDeliverer
+from .building_blocks.outbox.in_process import LocalDispatcher
 from .building_blocks.persistence.database import Database
-from .building_blocks.persistence.unit_of_work_factory import UnitOfWorkFactory
 from .building_blocks.polling.source import Deliverer, SourceSettings, TableSource
 from .building_blocks.polling.wake import PostgresListener, WakeSignal
-from .building_blocks.registry import MessageRegistry
-from .building_blocks.telemetry import NoTracing, OpenTelemetryTracing, Tracing
-from .building_blocks.worker import Worker
+from .building_blocks.runtime.worker import Worker
+from .building_blocks.unit_of_work.capture import OUTBOX_TABLE, RelayWriter, notify_channel
+from .building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from .building_blocks.web.auth import TokenService
 from .settings import Settings
 from .settings import Tracing as TracingChoice
 
 log = logging.getLogger(__name__)
 
 
-def _package() -> ModuleType:
-    return sys.modules[__package__ or __name__.rpartition(".")[0]]
+def _contexts() -> ModuleType:
+    return importlib.import_module(f"{__package__ or __name__.rpartition('.')[0]}.contexts")
 
 
 def build_modules() -> list[Module]:
-    modules = discover_modules(_package())
+    modules = discover_modules(_contexts())
     import_table_modules(modules)
     return modules
 
@@ -83,8 +88,8 @@ def instance_id(settings: Settings) -> str:
 
 def build_writer(
     settings: Settings, registry: MessageRegistry, handlers: HandlerRegistry, database: Database
-) -> OutboxWriter:
-    return OutboxWriter(
+) -> RelayWriter:
+    return RelayWriter(
         registry=registry,
         handlers=handlers,
         processing_delay=timedelta(seconds=settings.outbox.processing_delay_seconds),
@@ -102,9 +107,26 @@ def build_signer(settings: Settings) -> Signer:
     return Signer(keys, bus.active_key_id, allow_unsigned=bus.allow_unsigned or not keys)
 
 
-def build_direct_publisher(container: Container, registry: MessageRegistry) -> DirectPublisher:
-    """Integration events published right after commit when the outbox is off (in-process)."""
-    return DirectPublisher(container.bus, registry)
+def build_dispatcher(
+    container: Container,
+    settings: Settings,
+    handlers: HandlerRegistry,
+    registry: MessageRegistry,
+    metrics: RelayMetrics,
+) -> LocalDispatcher:
+    """The in-process dispatcher; it reaches the factory and the bus through their providers
+    (they are built after it), and publishes directly only when the outbox is off."""
+    outbox = settings.outbox
+    return LocalDispatcher(
+        handlers,
+        units=container.units_of_work,
+        max_cascade_depth=outbox.max_cascade_depth,
+        lease_seconds=outbox.lease_seconds,
+        notify_channel=notify_channel(settings.application.resolved_namespace),
+        shutdown_timeout_seconds=outbox.shutdown_timeout_seconds,
+        publish_direct=DirectPublisher(container.bus, registry),
+        metrics=metrics,
+    )
 
 
 def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
@@ -113,11 +135,11 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
     registry: MessageRegistry,
     pipeline: ConsumePipeline,
     signer: Signer,
-    metrics: OutboxMetrics,
+    metrics: RelayMetrics,
 ) -> MessageBus:
     if not settings.message_bus.is_broker:
         return InProcessBus(handlers=handlers, registry=registry, pipeline=pipeline, signer=signer)
-    from .building_blocks.messaging.faststream_bus import FastStreamBus  # noqa: PLC0415
+    from .building_blocks.brokers.faststream_bus import FastStreamBus  # noqa: PLC0415
 
     return FastStreamBus(
         settings=settings.message_bus,
@@ -148,7 +170,7 @@ def source_settings(settings: Settings) -> SourceSettings:
 def build_sources(  # noqa: PLR0917 (the container passes providers positionally)
     settings: Settings,
     database: Database,
-    metrics: OutboxMetrics,
+    metrics: RelayMetrics,
     outbox_deliverer: OutboxDeliverer,
     command_deliverer: CommandDeliverer,
     tracing: Tracing,
@@ -216,26 +238,17 @@ class Container(containers.DeclarativeContainer):
     modules = providers.Singleton(build_modules)
     registry = providers.Singleton(build_registry, modules)
     handlers = providers.Singleton(build_handlers, modules)
-    metrics = providers.Singleton(OutboxMetrics)
+    metrics = providers.Singleton(RelayMetrics)
     tracing = providers.Singleton(build_tracing, settings)
     wake = providers.Singleton(WakeSignal)
     database = providers.Singleton(Database, settings.provided.database)
     writer = providers.Singleton(build_writer, settings, registry, handlers, database)
-    dispatcher = providers.Singleton(
-        LocalDispatcher,
-        handlers,
-        max_cascade_depth=settings.provided.outbox.max_cascade_depth,
-        lease_seconds=settings.provided.outbox.lease_seconds,
-        notify_channel=providers.Callable(notify_channel, settings.provided.application.resolved_namespace),
-        shutdown_timeout_seconds=settings.provided.outbox.shutdown_timeout_seconds,
-        publish_direct=providers.Singleton(build_direct_publisher, __self__, registry),
-        metrics=metrics,
-    )
+    dispatcher = providers.Singleton(build_dispatcher, __self__, settings, handlers, registry, metrics)
     units_of_work = providers.Singleton(
         UnitOfWorkFactory,
         database=database,
         writer=writer,
-        dispatcher=dispatcher,
+        after_commit=dispatcher,
         clock=clock,
         wake=wake.provided.set,
         outbox_enabled=settings.provided.message_bus.outbox_enabled,
@@ -316,7 +329,7 @@ def startup_diagnostics(container: Container) -> None:
     settings = container.settings()
     bus = settings.message_bus
     units = container.units_of_work()
-    if units.outbox_enabled != bus.outbox_enabled or not isinstance(units.writer, OutboxWriter):
+    if units.outbox_enabled != bus.outbox_enabled or not isinstance(units.writer, RelayWriter):
         log.warning(
             "The outbox is %s by settings but the composition root wires a unit of work with "
             "the outbox %s: domain and integration events would bypass it. Restore the "

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import grimp
 from importlinter import Contract, ContractCheck, fields, output
 
-from {{ cookiecutter.package_name }}.building_blocks.module import (
+from {{ cookiecutter.package_name }}.building_blocks.application.module import (
     NOT_CONTEXTS,
 )
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import grimp
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks import (
+from {{ cookiecutter.package_name }}.building_blocks.application import (
     module as context_contract,
 )
 

@@ -36,6 +36,18 @@ from typing import Any, TypeGuard, cast
 
 import pytest
 
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+    MessageRegistry,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
+    FastStreamBus,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.in_process import (
+    InProcessBus,
+)
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     AggregateRoot,
     DomainEvent,
@@ -43,18 +55,6 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
     ConsumePipeline,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
-    FastStreamBus,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.inprocess import (
-    InProcessBus,
-)
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
-    MessageRegistry,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,

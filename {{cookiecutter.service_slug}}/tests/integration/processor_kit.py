@@ -10,10 +10,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
-    COMMAND_TABLE,
-    OUTBOX_TABLE,
-)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
@@ -21,6 +17,10 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     Delivered,
     SourceSettings,
     TableSource,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,

@@ -20,17 +20,17 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import (
     DeadLetterCopy,
     ReceivedMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats import (
     NatsDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.rabbit import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
     RabbitDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis import (
     RedisDelivery,
 )
 from {{ cookiecutter.package_name }}.container import (

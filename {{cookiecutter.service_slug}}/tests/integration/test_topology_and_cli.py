@@ -22,16 +22,16 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
-    OUTBOX_TABLE,
-    notify_channel,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
     PostgresListener,
     WakeSignal,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+    OUTBOX_TABLE,
+    notify_channel,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,

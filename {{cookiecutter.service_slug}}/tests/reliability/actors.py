@@ -19,20 +19,14 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.clock import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.clock import (
     system_clock,
 )
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
-)
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
-    OUTBOX_TABLE,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
@@ -47,6 +41,12 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
     WakeSignal,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -146,11 +146,11 @@ async def processor(args: argparse.Namespace) -> None:
     await container.database().dispose()
 
 
-def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, UnitOfWork], Awaitable[None]]:
+def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, SqlUnitOfWork], Awaitable[None]]:
     """A handler that waits until both racers are inside their handlers (both passed the inbox
     pre-check) before it writes: the loser must meet the inbox primary key at commit."""
 
-    async def handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def handler(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event
         (barrier / name).touch()
         deadline = time.monotonic() + 30
@@ -236,7 +236,7 @@ async def crasher(args: argparse.Namespace) -> None:
     )
     await install_kit(container, create_tables=False)
 
-    async def dies(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def dies(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
         print("handling", flush=True)
         os._exit(3)  # a crash: no except, no finally, no ack

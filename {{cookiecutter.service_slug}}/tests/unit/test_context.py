@@ -2,7 +2,7 @@
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     MAX_ROLES_LENGTH,
     InvalidContextError,
     RequestContext,

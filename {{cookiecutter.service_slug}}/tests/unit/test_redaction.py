@@ -6,7 +6,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi import FastAPI
 
-from {{ cookiecutter.package_name }}.building_blocks.redaction import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.redaction import (
     mask_credentials,
 )
 from {{ cookiecutter.package_name }}.entrypoints import (

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from {{ cookiecutter.package_name }}.building_blocks.telemetry import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     NoTracing,
     OpenTelemetryTracing,
     SpanKind,

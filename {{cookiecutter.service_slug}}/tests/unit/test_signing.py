@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from ..building_blocks.context import RequestContext
-from ..building_blocks.outbox.admin import (
+from ..building_blocks.kernel.request_context import RequestContext
+from ..building_blocks.operations.admin import (
     EVERY_TENANT,
     MAX_OFFSET,
     MAX_PAGE,
@@ -24,7 +24,7 @@ from ..building_blocks.outbox.admin import (
     RowNotFoundError,
     TenantScope,
 )
-from ..building_blocks.web import require_role
+from ..building_blocks.web.http import require_role
 
 
 @dataclass(frozen=True)

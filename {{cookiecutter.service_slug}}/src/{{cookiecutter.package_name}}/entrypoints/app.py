@@ -14,10 +14,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..about import DESCRIPTION, SERVICE_NAME
-from ..building_blocks.http_edge import RequestEdgeMiddleware
-from ..building_blocks.messaging.asyncapi import asyncapi_document
-from ..building_blocks.redaction import mask_credentials
-from ..building_blocks.web import RequestContextMiddleware, install_error_handlers
+from ..building_blocks.brokers.asyncapi import asyncapi_document
+from ..building_blocks.kernel.redaction import mask_credentials
+from ..building_blocks.web.edge import RequestEdgeMiddleware
+from ..building_blocks.web.http import RequestContextMiddleware, install_error_handlers
 from ..container import Container, startup_diagnostics
 from .admin_api import build_admin_router
 

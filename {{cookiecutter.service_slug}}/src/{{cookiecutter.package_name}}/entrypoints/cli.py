@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
-from ..building_blocks.outbox.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
-from ..building_blocks.redaction import mask_credentials
+from ..building_blocks.kernel.redaction import mask_credentials
+from ..building_blocks.operations.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
 from ..container import Container, build_container
 from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
@@ -205,7 +205,7 @@ def _login_name() -> str:
 
 
 def _asyncapi(args: argparse.Namespace, container: Container) -> None:
-    from ..building_blocks.messaging.asyncapi import asyncapi_document  # noqa: PLC0415
+    from ..building_blocks.brokers.asyncapi import asyncapi_document  # noqa: PLC0415
 
     document = json.dumps(
         asyncapi_document(container.registry(), container.handlers(), container.settings()), indent=2

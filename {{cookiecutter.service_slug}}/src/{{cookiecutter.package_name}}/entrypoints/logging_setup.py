@@ -16,9 +16,9 @@ import json
 import logging
 import sys
 
-from ..building_blocks.context import current_context
-from ..building_blocks.redaction import CredentialMaskingFilter
-from ..building_blocks.text import escape_controls
+from ..building_blocks.kernel.redaction import CredentialMaskingFilter
+from ..building_blocks.kernel.request_context import current_context
+from ..building_blocks.kernel.text import escape_controls
 from ..settings import LoggingSettings
 
 

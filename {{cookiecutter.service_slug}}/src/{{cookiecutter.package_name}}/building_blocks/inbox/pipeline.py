@@ -41,17 +41,17 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from ..clock import Clock
-from ..context import current_context, restored
+from ..application.handlers import Consumer, handler_name
+from ..application.registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
 from ..domain.events import Message
-from ..handlers import Consumer, handler_name
+from ..kernel.clock import Clock
+from ..kernel.metrics import RelayMetrics
+from ..kernel.request_context import current_context, restored
+from ..kernel.tracing import NoTracing, SpanKind, Tracing
 from ..messaging.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
-from ..outbox.metrics import OutboxMetrics
 from ..persistence.guard import handler_scope
-from ..persistence.models import InboxMessage
-from ..persistence.unit_of_work_factory import UnitOfWorkFactory
-from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
-from ..telemetry import NoTracing, SpanKind, Tracing
+from ..persistence.tables import InboxMessage
+from ..unit_of_work.factory import UnitOfWorkFactory
 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
@@ -103,7 +103,7 @@ class ConsumePipeline:
         registry: MessageRegistry,
         signer: Signer,
         inbox_enabled: bool,
-        metrics: OutboxMetrics,
+        metrics: RelayMetrics,
         clock: Clock,
         inbox_retention_days: int = 0,
         max_header_bytes: int = 4096,

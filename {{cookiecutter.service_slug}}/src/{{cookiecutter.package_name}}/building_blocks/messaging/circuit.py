@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import TypeVar
 
-from ..clock import Clock
+from ..kernel.clock import Clock
 from ..polling.source import CircuitOpenError
 
 T = TypeVar("T")

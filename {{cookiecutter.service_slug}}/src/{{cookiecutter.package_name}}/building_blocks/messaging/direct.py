@@ -11,10 +11,10 @@ import json
 import uuid
 from collections.abc import Callable
 
-from ..context import capture
+from ..application.messages import IntegrationEvent
+from ..application.registry import MessageRegistry
 from ..domain.events import utc_now
-from ..messages import IntegrationEvent
-from ..registry import MessageRegistry
+from ..kernel.request_context import capture
 from .bus import MessageBus
 from .envelope import Envelope
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
-from ..context import (
+from ..kernel.request_context import (
     MAX_CORRELATION_ID_LENGTH,
     MAX_ROLES_LENGTH,
     MAX_TENANT_LENGTH,
@@ -32,7 +32,7 @@ from ..context import (
     validate_correlation_id,
     validate_traceparent,
 )
-from ..text import is_plain_identifier
+from ..kernel.text import is_plain_identifier
 
 MESSAGE_ID = "x-message-id"
 EVENT_NAME = "x-event-name"

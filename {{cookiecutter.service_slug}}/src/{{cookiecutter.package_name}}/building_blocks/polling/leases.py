@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..text import storable
+from ..kernel.text import storable
 
 MAX_ERROR_LENGTH = 4000
 # ``last_error`` of a row released uncharged while its downstream is down (open circuit):

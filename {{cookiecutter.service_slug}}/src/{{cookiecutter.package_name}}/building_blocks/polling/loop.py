@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from ..clock import Clock
+from ..kernel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -35,13 +35,13 @@ from typing import Protocol, TypeVar
 
 import sqlalchemy as sa
 
-from ..clock import Clock
-from ..outbox.capture import INTEGRATION as INTEGRATION_KIND
-from ..outbox.metrics import OutboxMetrics
+from ..application.registry import MalformedPayloadError, UnknownMessageError
+from ..kernel.clock import Clock
+from ..kernel.metrics import RelayMetrics
+from ..kernel.text import describe
+from ..kernel.tracing import AttributeValue, NoTracing, Span, SpanKind, Tracing
 from ..persistence.database import Database, is_database_outage
-from ..registry import MalformedPayloadError, UnknownMessageError
-from ..telemetry import AttributeValue, NoTracing, Span, SpanKind, Tracing
-from ..text import describe
+from ..unit_of_work.capture import INTEGRATION as INTEGRATION_KIND
 from .claim import ClaimedRow, Claimer
 from .leases import (
     MALFORMED_PAYLOAD,
@@ -114,7 +114,7 @@ class TableSource:
         deliverer: Deliverer,
         clock: Clock,
         instance_id: str,
-        metrics: OutboxMetrics,
+        metrics: RelayMetrics,
         rng: random.Random | None = None,
         tracing: Tracing | None = None,
     ) -> None:

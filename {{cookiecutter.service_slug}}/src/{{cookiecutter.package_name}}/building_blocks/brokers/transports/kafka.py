@@ -1,0 +1,292 @@
+"""Kafka: one topic per event, one consumer group per consumer, retry and dead-letter topics.
+
+Kafka has no redelivery count and FastStream's default ack policy commits *before* the handler
+runs, so a failed message would be lost. Here the handler runs with a manual ack; a failure is
+republished to ``<group>.retry`` with ``x-attempt`` and ``x-not-before`` and only then committed;
+the retry subscriber waits until ``x-not-before`` (never longer than the longest backoff this
+service writes, and not at all for a value it never writes: anyone who can write the retry topic
+could otherwise stall its partition for ever) and runs the same wrapper; the last failure goes
+to ``<group>.dlq``. The ordering key is the Kafka key, so one key stays on one partition.
+
+FastStream's parser decodes every header value as UTF-8 before the handler runs; Kafka allows
+any bytes and null values, which raised there (the record was never acknowledged, and the
+partition's next commit passed over it). Such values are read as escaped text instead, and the
+wrapper rejects or handles the record like any other.
+
+Kafka commits offsets, not messages: once a later message of the partition is committed, an
+earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
+published (the broker is failing), the consumer seeks back to the message (``nack``) before the
+error propagates, and reads it again instead of moving past it.
+
+Topics are declared at start-up like every other broker's topology: the service's published
+topics and, per consumer, its topic, ``<group>.retry`` and ``<group>.dlq``, each created only if
+missing, with ``MESSAGE_BUS__KAFKA_TOPIC_PARTITIONS`` and ``..._KAFKA_REPLICATION_FACTOR``
+(``MESSAGE_BUS__KAFKA_CREATE_TOPICS=false`` where a platform team owns topics). An existing topic
+is never altered.
+
+Tested with FastStream's TestKafkaBroker and a fake admin client only (no Kafka server on the
+build machines): the topic declaration and the retry topics have not met a real cluster here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import (
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RequestTimedOutError,
+    TopicAlreadyExistsError,
+)
+from faststream import AckPolicy
+from faststream.kafka import KafkaBroker
+from faststream.kafka.annotations import KafkaMessage
+from faststream.kafka.message import KafkaMessage as KafkaMessageType
+
+from ....settings import MessageBusSettings
+from ...application.handlers import Consumer
+from ...application.messages import IntegrationEvent
+from ...application.registry import MessageRegistry
+from ...kernel.text import as_str
+from ...messaging.envelope import Envelope
+from ..naming import EndpointNames
+from .base import (
+    DeadLetterCopy,
+    DeliveryHandler,
+    FastStreamTransport,
+    ReceivedMessage,
+    broker_count,
+    dead_letter_headers,
+    fallback_parser,
+    own_headers,
+    undecoded_body,
+)
+
+ATTEMPT = "x-attempt"
+TOPIC_EXISTS = int(TopicAlreadyExistsError.errno)
+NOT_BEFORE = "x-not-before"
+
+
+async def readable_headers(record: Any) -> Any:  # noqa: ANN401 (an aiokafka ConsumerRecord)
+    """The record with every header value UTF-8 text (bytes escaped, null empty)."""
+    readable = copy.copy(record)
+    readable.headers = [
+        (name, b"" if value is None else as_str(value).encode()) for name, value in record.headers
+    ]
+    return readable
+
+
+def retry_wait(not_before: object, now: float, longest: float) -> float:
+    """Seconds to wait for a retry copy: until ``x-not-before``, within ``[0, longest]``."""
+    try:
+        when = float(as_str(not_before or 0))
+    except ValueError:
+        return 0.0
+    return min(max(0.0, when - now), longest) if math.isfinite(when) else 0.0
+
+
+class KafkaDelivery(ReceivedMessage):
+    def __init__(
+        self,
+        message: KafkaMessageType,
+        broker: KafkaBroker,
+        *,
+        topic: str,
+        retry_topic: str,
+        dlq: str,
+        delay: float,
+    ) -> None:
+        super().__init__(message)
+        self._broker = broker
+        self._topic = topic
+        self._retry_topic = retry_topic
+        self._dlq = dlq
+        self._delay = delay
+
+    def _key(self) -> bytes | None:
+        key = getattr(self._message.raw_message, "key", None)
+        return key if isinstance(key, bytes) else None
+
+    async def attempt(self) -> int:
+        return max(broker_count(ATTEMPT, self.headers.get(ATTEMPT) or 1), 1)
+
+    async def _forward(self, topic: str, headers: dict[str, str]) -> None:
+        """Publish the copy, then commit; if the copy is refused, seek back so it is read again."""
+        try:
+            await self._broker.publish(self.body, topic, key=self._key(), headers=headers)
+        except BaseException:
+            await self._message.nack()
+            raise
+        await self._message.ack()
+
+    async def retry(self, attempt: int) -> None:
+        not_before = time.time() + self._delay * 2 ** (attempt - 1)
+        headers = {k: v for k, v in own_headers(self.headers).items() if k not in (ATTEMPT, NOT_BEFORE)}
+        retry_headers = headers | {ATTEMPT: str(attempt + 1), NOT_BEFORE: str(not_before)}
+        await self._forward(self._retry_topic, retry_headers)
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        headers = {
+            k: v
+            for k, v in dead_letter_headers(self.headers, error, attempt, self._topic).items()
+            if k not in (ATTEMPT, NOT_BEFORE)
+        }
+        await self._forward(self._dlq, headers)
+
+
+class KafkaAdmin(Protocol):
+    """What the transport uses of aiokafka's admin client (a fake stands in for it in tests)."""
+
+    async def start(self) -> None:
+        """Connect to the cluster."""
+        ...
+
+    async def close(self) -> None:
+        """Disconnect."""
+        ...
+
+    async def list_topics(self) -> list[str]:
+        """Every topic of the cluster."""
+        ...
+
+    async def create_topics(self, new_topics: list[NewTopic]) -> Any:  # noqa: ANN401 (a protocol response)
+        """Ask the controller to create topics; per-topic errors come back in ``topic_errors``."""
+        ...
+
+
+class KafkaTopologyError(RuntimeError):
+    """The cluster refused to create a topic the service needs."""
+
+
+def aiokafka_admin(bootstrap_servers: str) -> KafkaAdmin:
+    admin: KafkaAdmin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers)
+    return admin
+
+
+class KafkaTransport(FastStreamTransport):
+    label = "Kafka"
+    broker: KafkaBroker
+
+    def __init__(
+        self,
+        settings: MessageBusSettings,
+        names: EndpointNames,
+        registry: MessageRegistry,
+        admin: Callable[[str], KafkaAdmin] = aiokafka_admin,
+    ) -> None:
+        self._settings = settings
+        self._names = names
+        self._registry = registry
+        self._admin = admin
+        self._bootstrap = settings.url or "localhost:9092"
+        self.broker = KafkaBroker(self._bootstrap, acks="all")
+
+    def topics(self, consumers: Sequence[Consumer[Any]]) -> list[str]:
+        """Every topic this service publishes to or reads from (retry and dead-letter included)."""
+        published = {self._names.channel(e.message_name) for e in self._registry.classes(IntegrationEvent)}
+        consumed = {
+            name
+            for c in consumers
+            for name in (
+                self._names.channel(c.event_type.message_name),
+                self._names.retry_queue(c.name),
+                self._names.dead_letters(c.name),
+            )
+        }
+        return sorted(published | consumed)
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        topic = self._names.channel(consumer.event_type.message_name)
+        group = self._names.queue(consumer.name)
+        retry_topic = self._names.retry_queue(consumer.name)
+        dlq = self._names.dead_letters(consumer.name)
+        broker = self.broker
+        delay = self._settings.redelivery_delay_seconds
+        longest_backoff = delay * 2 ** (self._settings.max_delivery_attempts - 1)
+
+        # The same group reads both topics; manual acks; the body stays undecoded (see base).
+        subscriber = partial(
+            broker.subscriber,
+            group_id=group,
+            ack_policy=AckPolicy.MANUAL,
+            auto_offset_reset="earliest",
+            decoder=undecoded_body,
+            parser=fallback_parser(readable_headers),
+        )
+
+        @subscriber(topic)
+        async def on_message(message: KafkaMessage) -> None:
+            await handler(
+                KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
+            )
+
+        @subscriber(retry_topic)
+        async def on_retry(message: KafkaMessage) -> None:
+            not_before = dict(message.headers or {}).get(NOT_BEFORE)
+            await asyncio.sleep(retry_wait(not_before, time.time(), longest_backoff))
+            await handler(
+                KafkaDelivery(message, broker, topic=topic, retry_topic=retry_topic, dlq=dlq, delay=delay)
+            )
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        if not self._settings.kafka_create_topics:
+            return  # the platform team's topics (or the cluster's auto-create)
+        admin = self._admin(self._bootstrap)
+        await admin.start()
+        try:
+            existing = set(await admin.list_topics())
+            missing = [topic for topic in self.topics(consumers) if topic not in existing]
+            if not missing:
+                return
+            response = await admin.create_topics(
+                [
+                    NewTopic(
+                        topic,
+                        self._settings.kafka_topic_partitions,
+                        self._settings.kafka_replication_factor,
+                    )
+                    for topic in missing
+                ]
+            )
+        finally:
+            await admin.close()
+        refused = [
+            f"{entry[0]} (error {entry[1]}{': ' + str(entry[2]) if len(entry) > 2 and entry[2] else ''})"
+            for entry in getattr(response, "topic_errors", [])
+            if entry[1] not in (0, TOPIC_EXISTS)
+        ]
+        if refused:
+            msg = (
+                f"Kafka refused to create {', '.join(refused)}; create them yourself and set "
+                "MESSAGE_BUS__KAFKA_CREATE_TOPICS=false, or fix the partitions/replication settings"
+            )
+            raise KafkaTopologyError(msg)
+
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        del consumers  # topics belong to the cluster's administration
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        del consumer, limit
+        msg = "read Kafka dead letters with a consumer on the <group>.dlq topic (kafka-console-consumer)"
+        raise NotImplementedError(msg)
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(
+            error, (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError)
+        )
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body,
+            self._names.channel(envelope.event_name),
+            key=envelope.ordering_key.encode() if envelope.ordering_key else None,
+            headers=headers,
+        )

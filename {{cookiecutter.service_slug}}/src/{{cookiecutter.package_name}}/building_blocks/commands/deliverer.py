@@ -1,0 +1,56 @@
+"""Internal commands (ADR-114): deferred instructions to this service itself.
+
+``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
+transaction, with the same context capture as an outbox row. The internal-command processor
+(the same polling core, lease, backoff and dead-letter idiom as the outbox) runs the command's
+handler in a fresh unit of work under the restored context, and stamps the row processed in
+that same transaction: the command's effects happen exactly once.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from ..application.handlers import HandlerRegistry, handler_name
+from ..application.registry import MessageRegistry
+from ..kernel.request_context import restored
+from ..outbox.deliverer import captured_context
+from ..persistence.guard import handler_scope
+from ..persistence.tables import InternalCommand as InternalCommandRow
+from ..polling.claim import ClaimedRow
+from ..polling.leases import LeaseStore
+from ..polling.source import Delivered
+from ..unit_of_work.factory import UnitOfWorkFactory
+
+COMMAND_TABLE = InternalCommandRow.__table__  # type: ignore[attr-defined]
+COMMAND_AUTHENTICATION = "internal-command"
+
+
+class NoCommandHandlerError(LookupError):
+    """A command was scheduled but no handler is registered for it on this host."""
+
+
+class CommandDeliverer:
+    """Runs one internal command in its own unit of work."""
+
+    def __init__(
+        self, *, registry: MessageRegistry, handlers: HandlerRegistry, units: UnitOfWorkFactory
+    ) -> None:
+        self._registry = registry
+        self._handlers = handlers
+        self._units = units
+        self._store = LeaseStore(COMMAND_TABLE)
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+        command = self._registry.load(row.name, row.payload)
+        handler = self._handlers.command_handler(type(command))
+        if handler is None:
+            msg = f"no handler is registered for internal command {row.name!r}"
+            raise NoCommandHandlerError(msg)
+        with restored(captured_context(row), authentication_type=COMMAND_AUTHENTICATION):
+            async with self._units() as uow:
+                with handler_scope(handler_name(handler)):
+                    await handler(command, uow)
+                uow.stamp_processed_on_commit(self._store, row.id, token)
+                await uow.commit()
+        return Delivered.STAMPED
