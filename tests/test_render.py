@@ -16,8 +16,8 @@ from .support import check, install, load_answer_rules, text_files
 pytestmark = pytest.mark.render
 LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
 EXAMPLE_PATHS = (
-    "src/order_service/orders",
-    "src/order_service/notifications",
+    "src/order_service/contexts/orders",
+    "src/order_service/contexts/notifications",
     "src/order_service/contracts/orders.py",
     "migrations/versions/0002_example_contexts.py",
 )

@@ -42,7 +42,8 @@ from .building_blocks.operations.retention import RetentionCleaner, RetentionPol
 from .building_blocks.outbox.deliverer import OutboxDeliverer
 from .building_blocks.outbox.in_process import LocalDispatcher
 from .building_blocks.persistence.database import Database
-from .building_blocks.polling.source import Deliverer, SourceSettings, TableSource
+from .building_blocks.polling.ports import Deliverer, SourceSettings
+from .building_blocks.polling.source import TableSource
 from .building_blocks.polling.wake import PostgresListener, WakeSignal
 from .building_blocks.runtime.worker import Worker
 from .building_blocks.unit_of_work.capture import OUTBOX_TABLE, RelayWriter, notify_channel

@@ -10,12 +10,17 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+    SpanKind,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
     SourceSettings,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
@@ -36,6 +41,10 @@ class ScriptedDeliverer:
 
     script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
     delivered: list[ClaimedRow] = field(default_factory=list)
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         del token

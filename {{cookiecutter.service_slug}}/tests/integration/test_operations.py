@@ -36,7 +36,7 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (

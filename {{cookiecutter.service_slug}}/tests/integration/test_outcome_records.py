@@ -18,7 +18,7 @@ from sqlalchemy.exc import DataError
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (

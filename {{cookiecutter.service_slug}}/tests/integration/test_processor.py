@@ -19,14 +19,16 @@ from sqlalchemy.exc import DBAPIError
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainEvent,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+    CircuitOpenError,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    CircuitOpenError,
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (

@@ -25,6 +25,9 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.clock import (
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+    SpanKind,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
@@ -34,9 +37,11 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
     SourceSettings,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
@@ -69,6 +74,10 @@ class RecordingDeliverer:
         self.name = name
         self.hang_first = hang_first
         self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         if self.hang_first:

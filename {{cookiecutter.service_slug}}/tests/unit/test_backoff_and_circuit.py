@@ -8,12 +8,10 @@ import pytest
 from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
     BrokerUnavailableError,
     CircuitBreaker,
+    CircuitOpenError,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.leases import (
     backoff_seconds,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    CircuitOpenError,
 )
 
 pytestmark = pytest.mark.unit

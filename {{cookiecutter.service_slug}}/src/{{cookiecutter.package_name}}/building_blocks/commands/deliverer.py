@@ -14,12 +14,13 @@ import uuid
 from ..application.handlers import HandlerRegistry, handler_name
 from ..application.registry import MessageRegistry
 from ..kernel.request_context import restored
+from ..kernel.tracing import SpanKind
 from ..outbox.deliverer import captured_context
 from ..persistence.guard import handler_scope
 from ..persistence.tables import InternalCommand as InternalCommandRow
 from ..polling.claim import ClaimedRow
 from ..polling.leases import LeaseStore
-from ..polling.source import Delivered
+from ..polling.ports import Delivered
 from ..unit_of_work.factory import UnitOfWorkFactory
 
 COMMAND_TABLE = InternalCommandRow.__table__  # type: ignore[attr-defined]
@@ -40,6 +41,10 @@ class CommandDeliverer:
         self._handlers = handlers
         self._units = units
         self._store = LeaseStore(COMMAND_TABLE)
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         command = self._registry.load(row.name, row.payload)

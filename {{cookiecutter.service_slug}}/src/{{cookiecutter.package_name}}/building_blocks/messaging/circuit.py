@@ -18,9 +18,16 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from ..kernel.clock import Clock
-from ..polling.source import CircuitOpenError
+from ..polling.ports import PausedError
 
 T = TypeVar("T")
+
+
+class CircuitOpenError(PausedError):
+    """The broker is known to be down; the row is released until ``retry_at``, uncharged."""
+
+    def __init__(self, retry_at: datetime) -> None:
+        super().__init__(f"circuit open until {retry_at.isoformat()}", retry_at)
 
 
 class BrokerUnavailableError(ConnectionError):

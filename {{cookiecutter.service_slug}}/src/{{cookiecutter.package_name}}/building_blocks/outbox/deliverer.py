@@ -19,11 +19,12 @@ import uuid
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
 from ..kernel.request_context import CapturedContext, restored
+from ..kernel.tracing import SpanKind
 from ..messaging.bus import MessageBus
 from ..messaging.circuit import CircuitBreaker
 from ..messaging.envelope import Envelope
 from ..polling.claim import ClaimedRow
-from ..polling.source import Delivered
+from ..polling.ports import Delivered
 from ..unit_of_work.capture import DOMAIN
 from .in_process import LocalDispatcher
 
@@ -59,6 +60,10 @@ class OutboxDeliverer:
         self._bus = bus
         self._breaker = breaker
         self._warned: set[str] = set()
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        """A publish is a producer span; a local delivery stays inside this service."""
+        return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         message = self._registry.load(row.name, row.payload)
