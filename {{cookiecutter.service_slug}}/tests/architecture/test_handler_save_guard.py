@@ -36,11 +36,9 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
     applies,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
-    InboxMessage,
-)
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
+    InboxMessage,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
     UnitOfWorkFactory,

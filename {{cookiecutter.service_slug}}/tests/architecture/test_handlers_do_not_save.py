@@ -18,10 +18,7 @@ from {{ cookiecutter.package_name }}.building_blocks.application.module import (
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.container import (
-    build_handlers,
-    build_modules,
-)
+from {{ cookiecutter.package_name }}.composition.modules import build_handlers, build_modules
 
 from .fixtures.save_fixtures import registry as fixtures
 from .save_rule import DEFAULT_DEPTH, DEFAULT_SINKS, Report, SaveRule, SinkSpec, Violation

@@ -56,11 +56,8 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
 from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
     ConsumePipeline,
 )
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_modules,
-    build_registry,
-)
+from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
+from {{ cookiecutter.package_name }}.container import Container
 
 from .callgraph import (
     CallGraph,

@@ -13,6 +13,10 @@ import sqlalchemy as sa
 from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     SpanKind,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
@@ -23,14 +27,8 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    COMMAND_TABLE,
-    OUTBOX_TABLE,
-)
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    source_settings,
-)
+from {{ cookiecutter.package_name }}.composition.relay import source_settings
+from {{ cookiecutter.package_name }}.container import Container
 
 from ..conftest import FakeClock
 

@@ -20,11 +20,11 @@ import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
 
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     Claimer,
-)
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,

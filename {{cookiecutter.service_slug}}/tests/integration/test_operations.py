@@ -17,13 +17,9 @@ import sqlalchemy as sa
 from prometheus_client import generate_latest
 from sqlmodel import select
 
-from {{ cookiecutter.package_name }}.building_blocks.commands.deliverer import (
-    COMMAND_TABLE,
-)
-from {{ cookiecutter.package_name }}.building_blocks.operations.admin import (
-    AdminError,
-)
+from {{ cookiecutter.package_name }}.building_blocks.operations.requests import AdminError
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
     DeadLetterReplay,
     InboxMessage,
 )

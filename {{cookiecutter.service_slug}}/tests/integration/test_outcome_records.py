@@ -15,14 +15,14 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import DataError
 
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
-)
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,

@@ -22,6 +22,9 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
 from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
     CircuitOpenError,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
@@ -30,9 +33,6 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
     Delivered,
-)
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,

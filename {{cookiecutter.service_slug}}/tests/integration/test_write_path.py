@@ -29,6 +29,7 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.database import
     Database,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
     InternalCommand,
     OutboxMessage,
 )
@@ -36,7 +37,6 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     Claimer,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    OUTBOX_TABLE,
     RelayWriter,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (

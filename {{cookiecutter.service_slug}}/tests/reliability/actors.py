@@ -31,6 +31,9 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     ClaimedRow,
 )
@@ -47,18 +50,11 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
     WakeSignal,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    OUTBOX_TABLE,
-)
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-    build_listener,
-    source_settings,
-)
+from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
+from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import SERVICE_URLS, make_settings
 from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect

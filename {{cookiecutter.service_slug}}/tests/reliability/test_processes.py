@@ -28,7 +28,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context impo
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (

@@ -10,9 +10,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     OpenTelemetryTracing,
     SpanKind,
 )
-from {{ cookiecutter.package_name }}.container import (
-    build_tracing,
-)
+from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )

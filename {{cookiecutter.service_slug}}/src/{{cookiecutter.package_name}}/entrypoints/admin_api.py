@@ -15,12 +15,12 @@ from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
 from ..building_blocks.kernel.request_context import RequestContext
-from ..building_blocks.operations.admin import (
+from ..building_blocks.operations.admin import RelayAdministration
+from ..building_blocks.operations.requests import (
     EVERY_TENANT,
     MAX_OFFSET,
     MAX_PAGE,
     AdminError,
-    OutboxAdministration,
     RowNotFoundError,
     TenantScope,
 )
@@ -47,12 +47,12 @@ def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
 
     Admin = Annotated[Administrator, Depends(administrator)]  # noqa: N806
 
-    def administration(request: Request) -> OutboxAdministration:
+    def administration(request: Request) -> RelayAdministration:
         admin = request.app.state.outbox_admin
-        assert isinstance(admin, OutboxAdministration)  # noqa: S101 (set by create_app)
+        assert isinstance(admin, RelayAdministration)  # noqa: S101 (set by create_app)
         return admin
 
-    Service = Annotated[OutboxAdministration, Depends(administration)]  # noqa: N806
+    Service = Annotated[RelayAdministration, Depends(administration)]  # noqa: N806
 
     class ReplayIn(BaseModel):
         source: str = "outbox"

@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from ..about import SERVICE_NAME
 from ..building_blocks.kernel.redaction import mask_credentials
-from ..building_blocks.operations.admin import EVERY_TENANT, AdminError, OutboxAdministration, TenantScope
+from ..building_blocks.operations.admin import RelayAdministration
+from ..building_blocks.operations.requests import EVERY_TENANT, AdminError, TenantScope
 from ..container import Container, build_container
 from ..settings import DEV_JWT_SECRET, Settings
 from . import migrations
@@ -153,7 +154,7 @@ async def _run_worker(container: Container) -> None:
     container.tracing().shutdown()
 
 
-async def _with_admin(container: Container, action: Callable[[OutboxAdministration], Awaitable[T]]) -> T:
+async def _with_admin(container: Container, action: Callable[[RelayAdministration], Awaitable[T]]) -> T:
     try:
         return await action(container.admin())
     except AdminError as error:

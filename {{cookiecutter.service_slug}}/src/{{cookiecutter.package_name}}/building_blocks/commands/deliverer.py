@@ -15,15 +15,13 @@ from ..application.handlers import HandlerRegistry, handler_name
 from ..application.registry import MessageRegistry
 from ..kernel.request_context import restored
 from ..kernel.tracing import SpanKind
-from ..outbox.deliverer import captured_context
 from ..persistence.guard import handler_scope
-from ..persistence.tables import InternalCommand as InternalCommandRow
+from ..persistence.tables import COMMAND_TABLE
 from ..polling.claim import ClaimedRow
 from ..polling.leases import LeaseStore
 from ..polling.ports import Delivered
 from ..unit_of_work.factory import UnitOfWorkFactory
 
-COMMAND_TABLE = InternalCommandRow.__table__  # type: ignore[attr-defined]
 COMMAND_AUTHENTICATION = "internal-command"
 
 
@@ -52,7 +50,7 @@ class CommandDeliverer:
         if handler is None:
             msg = f"no handler is registered for internal command {row.name!r}"
             raise NoCommandHandlerError(msg)
-        with restored(captured_context(row), authentication_type=COMMAND_AUTHENTICATION):
+        with restored(row.captured_context(), authentication_type=COMMAND_AUTHENTICATION):
             async with self._units() as uow:
                 with handler_scope(handler_name(handler)):
                     await handler(command, uow)

@@ -50,12 +50,12 @@ from ..kernel.request_context import current_context, restored
 from ..kernel.tracing import NoTracing, SpanKind, Tracing
 from ..messaging.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
 from ..persistence.guard import handler_scope
-from ..persistence.tables import InboxMessage
+from ..persistence.tables import INBOX_TABLE, InboxMessage
 from ..unit_of_work.factory import UnitOfWorkFactory
 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
-INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
+INBOX = INBOX_TABLE
 
 
 class ConsumeOutcome(Enum):

@@ -24,11 +24,10 @@ import sqlalchemy as sa
 from ..kernel.clock import Clock
 from ..kernel.metrics import RelayMetrics
 from ..persistence.database import Database
-from ..persistence.sources import SOURCES
-from ..persistence.tables import InboxMessage
+from ..persistence.tables import INBOX_TABLE, POLLED_TABLES
 
 log = logging.getLogger(__name__)
-INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
+INBOX = INBOX_TABLE
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class RetentionCleaner:
         now = self._clock()
         counts: dict[str, int] = {}
         policy = self._policy
-        for source in SOURCES.values():
+        for source in POLLED_TABLES.values():
             t = source.table.c
             if policy.retention_days > 0:
                 cutoff = now - timedelta(days=policy.retention_days)

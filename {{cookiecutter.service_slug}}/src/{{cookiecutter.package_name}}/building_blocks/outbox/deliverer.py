@@ -18,28 +18,18 @@ import uuid
 
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
-from ..kernel.request_context import CapturedContext, restored
+from ..kernel.request_context import restored
 from ..kernel.tracing import SpanKind
 from ..messaging.bus import MessageBus
 from ..messaging.circuit import CircuitBreaker
 from ..messaging.envelope import Envelope
+from ..persistence.tables import DOMAIN
 from ..polling.claim import ClaimedRow
 from ..polling.ports import Delivered
-from ..unit_of_work.capture import DOMAIN
 from .in_process import LocalDispatcher
 
 log = logging.getLogger(__name__)
 OUTBOX_AUTHENTICATION = "outbox"
-
-
-def captured_context(row: ClaimedRow) -> CapturedContext:
-    return CapturedContext(
-        tenant_id=row.tenant_id,
-        user_id=row.user_id,
-        user_roles=row.user_roles,
-        correlation_id=row.correlation_id,
-        traceparent=row.trace_context,
-    )
 
 
 class OutboxDeliverer:
@@ -67,7 +57,7 @@ class OutboxDeliverer:
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         message = self._registry.load(row.name, row.payload)
-        context = captured_context(row)
+        context = row.captured_context()
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
             if row.kind == DOMAIN:
                 if not self._handlers.has_domain_handlers(type(message)):

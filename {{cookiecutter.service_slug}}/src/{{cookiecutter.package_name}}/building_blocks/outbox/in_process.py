@@ -42,9 +42,10 @@ from ..application.handlers import HandlerRegistry, handler_name
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
 from ..persistence.guard import handler_scope
+from ..persistence.tables import OUTBOX_TABLE
 from ..polling.leases import CASCADE_DEPTH_EXCEEDED, LeaseLostError, LeaseStore
 from ..polling.wake import wake_replicas
-from ..unit_of_work.capture import OUTBOX_TABLE, WrittenRow
+from ..unit_of_work.capture import WrittenRow
 from ..unit_of_work.factory import UnitOfWorkFactory
 
 if TYPE_CHECKING:

@@ -1,39 +1,19 @@
-"""The polled tables, by the name operators use for them (``outbox``, ``internal_commands``)."""
+"""The polled tables by the name operators use for them (``outbox``, ``internal_commands``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import sqlalchemy as sa
-
-from .tables import InternalCommand, OutboxMessage
-
-
-@dataclass(frozen=True)
-class SourceTable:
-    name: str
-    table: sa.Table
-    name_column: str
-
-
-OUTBOX = SourceTable("outbox", OutboxMessage.__table__, "event_name")  # type: ignore[attr-defined]
-INTERNAL_COMMANDS = SourceTable(
-    "internal_commands",
-    InternalCommand.__table__,  # type: ignore[attr-defined]
-    "command_name",
-)
-SOURCES: dict[str, SourceTable] = {s.name: s for s in (OUTBOX, INTERNAL_COMMANDS)}
+from .tables import POLLED_TABLES, PolledTable
 
 
 class UnknownSourceError(LookupError):
     """The operator named a source this service does not have."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"unknown source {name!r}; use one of: {', '.join(SOURCES)}")
+        super().__init__(f"unknown source {name!r}; use one of: {', '.join(POLLED_TABLES)}")
 
 
-def source_named(name: str) -> SourceTable:
+def source_named(name: str) -> PolledTable:
     try:
-        return SOURCES[name]
+        return POLLED_TABLES[name]
     except KeyError:
         raise UnknownSourceError(name) from None

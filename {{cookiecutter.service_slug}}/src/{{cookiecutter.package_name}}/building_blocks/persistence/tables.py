@@ -13,6 +13,7 @@ history never slows the claim; see ``outbox/claim.py`` for the statement that us
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -128,3 +129,26 @@ class DeadLetterReplay(SQLModel, table=True):
     replayed_on: datetime
     message_count: int
     message_ids: list[str] = Field(sa_type=JSON_TYPE, nullable=False)
+
+
+# -- the one definition the rest of the service uses ----------------------------------------
+
+OUTBOX_TABLE: sa.Table = OutboxMessage.__table__  # type: ignore[attr-defined]
+COMMAND_TABLE: sa.Table = InternalCommand.__table__  # type: ignore[attr-defined]
+INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
+DOMAIN = "domain"  # an outbox row dispatched in-process (a domain event)
+INTEGRATION = "integration"  # an outbox row published through the message bus
+
+
+@dataclass(frozen=True)
+class PolledTable:
+    """A table a processor drains, by the name operators use for it."""
+
+    name: str
+    table: sa.Table
+    name_column: str
+
+
+OUTBOX = PolledTable("outbox", OUTBOX_TABLE, "event_name")
+INTERNAL_COMMANDS = PolledTable("internal_commands", COMMAND_TABLE, "command_name")
+POLLED_TABLES: dict[str, PolledTable] = {t.name: t for t in (OUTBOX, INTERNAL_COMMANDS)}

@@ -39,6 +39,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlmodel.sql.sqltypes import UTCDateTime
 
+from ..kernel.request_context import CapturedContext
+
 
 def _pending(t: sa.FromClause) -> sa.ColumnElement[bool]:
     # Written exactly as the partial-index predicates, so both planners use those indexes.
@@ -84,6 +86,16 @@ class ClaimedRow:
     trace_context: str | None
     kind: str | None
     last_error: str | None = None
+
+    def captured_context(self) -> CapturedContext:
+        """The request context the row was written under, to restore for its delivery."""
+        return CapturedContext(
+            tenant_id=self.tenant_id,
+            user_id=self.user_id,
+            user_roles=self.user_roles,
+            correlation_id=self.correlation_id,
+            traceparent=self.trace_context,
+        )
 
 
 def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -> sa.Update:

@@ -34,14 +34,8 @@ from ..application.messages import IntegrationEvent, InternalCommand
 from ..application.registry import MessageRegistry
 from ..domain.events import DomainEvent, Message
 from ..kernel.request_context import CapturedContext
-from ..persistence.tables import InternalCommand as InternalCommandRow
-from ..persistence.tables import OutboxMessage
+from ..persistence.tables import COMMAND_TABLE, DOMAIN, INTEGRATION, OUTBOX_TABLE
 from ..polling.wake import wake_replicas
-
-DOMAIN = "domain"
-INTEGRATION = "integration"
-OUTBOX_TABLE = OutboxMessage.__table__  # type: ignore[attr-defined]
-COMMAND_TABLE = InternalCommandRow.__table__  # type: ignore[attr-defined]
 
 
 def stored_ordering_key(kind: str, message: Message) -> str | None:
