@@ -16,9 +16,7 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainError,
     NotFoundError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web.http import (
-    install_error_handlers,
-)
+from {{ cookiecutter.package_name }}.building_blocks.web.errors import install_error_handlers
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

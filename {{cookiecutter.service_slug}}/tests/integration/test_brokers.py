@@ -36,20 +36,14 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats imp
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
     TopologyMismatchError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis import (
-    RedisDelivery,
-)
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
-    current_delivery,
-)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import RedisDelivery
+from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     capture,
     current_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
-    Envelope,
-    Signer,
-)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )

@@ -18,17 +18,12 @@ from prometheus_client import generate_latest
 from sqlmodel import select
 
 from {{ cookiecutter.package_name }}.building_blocks.operations.requests import AdminError
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
-    COMMAND_TABLE,
-    DeadLetterReplay,
-    InboxMessage,
-)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import DeadLetterReplay, InboxMessage
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     InternalCommand as InternalCommandRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )

@@ -14,11 +14,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     current_context,
-)
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
-    OpenTelemetryTracing,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,

@@ -10,9 +10,7 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
     CircuitBreaker,
     CircuitOpenError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.leases import (
-    backoff_seconds,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.retries import backoff_seconds
 
 pytestmark = pytest.mark.unit
 

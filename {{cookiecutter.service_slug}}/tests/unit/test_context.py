@@ -2,16 +2,18 @@
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values import (
     MAX_ROLES_LENGTH,
     InvalidContextError,
+    flatten_roles,
+    validate_correlation_id,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     RequestContext,
     capture,
     current_context,
-    flatten_roles,
     restored,
     use_context,
-    validate_correlation_id,
 )
 
 pytestmark = pytest.mark.unit

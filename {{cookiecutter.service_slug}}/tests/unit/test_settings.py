@@ -5,11 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
-    NoTracing,
-    OpenTelemetryTracing,
-    SpanKind,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import NoTracing, SpanKind
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     Settings,

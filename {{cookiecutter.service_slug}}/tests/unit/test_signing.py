@@ -12,9 +12,9 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     TENANT_ID,
     Envelope,
     RejectedMessageError,
-    Signer,
-    read_envelope,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.reading import read_envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 
 pytestmark = pytest.mark.unit
 BODY = b'{"order_id": "o-1"}'

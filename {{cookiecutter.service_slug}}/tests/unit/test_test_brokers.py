@@ -35,23 +35,15 @@ from {{ cookiecutter.package_name }}.building_blocks.application.registry import
 from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import (
-    undecoded_body,
-)
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import (
-    ATTEMPT,
-    NOT_BEFORE,
-    KafkaDelivery,
-    KafkaTopologyError,
-    KafkaTransport,
-)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.headers import undecoded_body
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import KafkaTransport
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import ATTEMPT, NOT_BEFORE, KafkaDelivery
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import KafkaTopologyError
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     capture,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
-    Envelope,
-    Signer,
-)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )

@@ -30,11 +30,11 @@ from .application.unit_of_work import (
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from .inbox.pipeline import Delivery, current_delivery
+from .inbox.delivery import Delivery, current_delivery
 from .kernel.request_context import RequestContext, current_context
 from .persistence.tables import JSON_TYPE
 from .unit_of_work.repository import Repository
-from .web.http import authenticated, require_role, units_of_work
+from .web.dependencies import authenticated, require_role, units_of_work
 
 __all__ = [
     "JSON_TYPE",

@@ -24,7 +24,7 @@ from ..building_blocks.operations.requests import (
     RowNotFoundError,
     TenantScope,
 )
-from ..building_blocks.web.http import require_role
+from ..building_blocks.web.dependencies import require_role
 
 
 @dataclass(frozen=True)

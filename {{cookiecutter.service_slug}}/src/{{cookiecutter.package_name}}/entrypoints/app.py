@@ -17,7 +17,8 @@ from ..about import DESCRIPTION, SERVICE_NAME
 from ..building_blocks.brokers.asyncapi import asyncapi_document
 from ..building_blocks.kernel.redaction import mask_credentials
 from ..building_blocks.web.edge import RequestEdgeMiddleware
-from ..building_blocks.web.http import RequestContextMiddleware, install_error_handlers
+from ..building_blocks.web.errors import install_error_handlers
+from ..building_blocks.web.http import RequestContextMiddleware
 from ..container import Container, startup_diagnostics
 from .admin_api import build_admin_router
 

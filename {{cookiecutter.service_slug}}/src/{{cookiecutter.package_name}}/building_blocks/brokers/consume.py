@@ -34,7 +34,7 @@ from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
 from ..messaging.envelope import RejectedMessageError
 from .holding import consume_through_database_outages, keep_alive
-from .transports.base import Delivery
+from .transports.ports import Delivery
 
 log = logging.getLogger(__name__)
 CRASH_GUARD_ERROR = "attempts exhausted without a recorded failure (crash or timeout)"

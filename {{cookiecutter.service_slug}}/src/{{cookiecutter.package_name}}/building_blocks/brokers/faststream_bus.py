@@ -20,10 +20,11 @@ from ..application.registry import MessageRegistry
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
 from ..messaging.circuit import BrokerUnavailableError
-from ..messaging.envelope import Envelope, Signer
+from ..messaging.envelope import Envelope
+from ..messaging.signing import Signer
 from .consume import ConsumeWrapper
 from .naming import EndpointNames
-from .transports.base import BrokerTransport, DeadLetterCopy
+from .transports.ports import BrokerTransport, DeadLetterCopy
 
 log = logging.getLogger(__name__)
 OUTAGES = (ConnectionError, TimeoutError, OSError)

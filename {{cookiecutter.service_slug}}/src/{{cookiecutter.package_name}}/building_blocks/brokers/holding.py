@@ -21,8 +21,8 @@ from typing import Any
 from ..application.handlers import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
-from ..persistence.database import is_database_outage
-from .transports.base import Delivery
+from ..persistence.failures import is_database_outage
+from .transports.ports import Delivery
 
 log = logging.getLogger(__name__)
 OUTAGE_FIRST_PAUSE_SECONDS = 0.2

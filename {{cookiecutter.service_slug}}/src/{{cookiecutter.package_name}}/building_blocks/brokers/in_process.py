@@ -19,8 +19,9 @@ import logging
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry, UnknownMessageError
 from ..inbox.pipeline import ConsumePipeline
-from ..messaging.envelope import Envelope, Signer
-from ..persistence.database import is_database_outage
+from ..messaging.envelope import Envelope
+from ..messaging.signing import Signer
+from ..persistence.failures import is_database_outage
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from ..kernel.request_context import restored
 from ..kernel.tracing import SpanKind
 from ..persistence.guard import handler_scope
 from ..persistence.tables import COMMAND_TABLE
-from ..polling.claim import ClaimedRow
+from ..polling.claimed import ClaimedRow
 from ..polling.leases import LeaseStore
 from ..polling.ports import Delivered
 from ..unit_of_work.factory import UnitOfWorkFactory

@@ -29,10 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import timedelta
 from enum import Enum
 from typing import Any, cast
@@ -48,10 +45,13 @@ from ..kernel.clock import Clock
 from ..kernel.metrics import RelayMetrics
 from ..kernel.request_context import current_context, restored
 from ..kernel.tracing import NoTracing, SpanKind, Tracing
-from ..messaging.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
+from ..messaging.envelope import Envelope, RejectedMessageError, Rejection
+from ..messaging.reading import read_envelope
+from ..messaging.signing import Signer
+from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
 from ..persistence.guard import handler_scope
-from ..persistence.tables import INBOX_TABLE, InboxMessage
 from ..unit_of_work.factory import UnitOfWorkFactory
+from .delivery import Delivery, delivering
 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
@@ -61,36 +61,6 @@ INBOX = INBOX_TABLE
 class ConsumeOutcome(Enum):
     CONSUMED = "consumed"
     DUPLICATE = "duplicate"
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """The message a consumer handler is running for."""
-
-    message_id: str
-    event_name: str
-    consumer: str
-
-
-_delivery: ContextVar[Delivery | None] = ContextVar("delivery", default=None)
-
-
-def current_delivery() -> Delivery:
-    """The delivery being consumed (raises outside a consumer handler)."""
-    delivery = _delivery.get()
-    if delivery is None:
-        msg = "current_delivery() is only available inside an integration-event handler"
-        raise LookupError(msg)
-    return delivery
-
-
-@contextmanager
-def _delivering(delivery: Delivery) -> Iterator[None]:
-    token = _delivery.set(delivery)
-    try:
-        yield
-    finally:
-        _delivery.reset(token)
 
 
 class ConsumePipeline:
@@ -174,7 +144,7 @@ class ConsumePipeline:
         ) as span:
             # What the handler enqueues carries this span: the trace goes on to the next hop.
             context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
-            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), _delivering(delivery):
+            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
                 try:
                     outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
                 except Exception:

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 
 from ..kernel.clock import Clock
+from ..persistence.audit_tables import DeadLetterReplay
 from ..persistence.database import Database
-from ..persistence.tables import DeadLetterReplay
 from ..polling.wake import wake_replicas
 from .explain import explain_row
 from .requests import (

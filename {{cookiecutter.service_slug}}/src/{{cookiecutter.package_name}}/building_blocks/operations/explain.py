@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from ..kernel.clock import Clock
 from ..persistence.database import Database
-from ..polling.leases import PAUSED_PREFIX
+from ..polling.retries import PAUSED_PREFIX
 from .requests import EVERY_TENANT, RowNotFoundError, TenantScope, one_source, parse_ids
 from .views import Explanation
 

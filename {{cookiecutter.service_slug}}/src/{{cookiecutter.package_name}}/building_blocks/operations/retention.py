@@ -23,8 +23,9 @@ import sqlalchemy as sa
 
 from ..kernel.clock import Clock
 from ..kernel.metrics import RelayMetrics
+from ..persistence.audit_tables import INBOX_TABLE
 from ..persistence.database import Database
-from ..persistence.tables import INBOX_TABLE, POLLED_TABLES
+from ..persistence.tables import POLLED_TABLES
 
 log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE

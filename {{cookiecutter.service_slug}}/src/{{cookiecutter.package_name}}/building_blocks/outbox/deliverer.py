@@ -24,7 +24,7 @@ from ..messaging.bus import MessageBus
 from ..messaging.circuit import CircuitBreaker
 from ..messaging.envelope import Envelope
 from ..persistence.tables import DOMAIN
-from ..polling.claim import ClaimedRow
+from ..polling.claimed import ClaimedRow
 from ..polling.ports import Delivered
 from .in_process import LocalDispatcher
 

@@ -43,10 +43,11 @@ from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
 from ..persistence.guard import handler_scope
 from ..persistence.tables import OUTBOX_TABLE
-from ..polling.leases import CASCADE_DEPTH_EXCEEDED, LeaseLostError, LeaseStore
+from ..polling.leases import LeaseLostError, LeaseStore
+from ..polling.retries import CASCADE_DEPTH_EXCEEDED
 from ..polling.wake import wake_replicas
-from ..unit_of_work.capture import WrittenRow
 from ..unit_of_work.factory import UnitOfWorkFactory
+from ..unit_of_work.rows import WrittenRow
 
 if TYPE_CHECKING:
     import uuid

@@ -31,15 +31,13 @@ application clock as bound parameters, so SQLite and PostgreSQL behave the same.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlmodel.sql.sqltypes import UTCDateTime
 
-from ..kernel.request_context import CapturedContext
+from .claimed import ClaimedRow
 
 
 def _pending(t: sa.FromClause) -> sa.ColumnElement[bool]:
@@ -65,37 +63,6 @@ def _no_key_mate_in_flight(table: sa.Table, t: sa.FromClause) -> sa.ColumnElemen
         _pending(mate),
         mate.c.locked_until >= sa.bindparam("now", type_=UTCDateTime()),
     )
-
-
-@dataclass(frozen=True)
-class ClaimedRow:
-    """A row leased to this processor for one delivery attempt."""
-
-    id: uuid.UUID
-    seq: int
-    name: str
-    payload: dict[str, Any]
-    ordering_key: str | None
-    retry_count: int
-    occurred_on: datetime
-    locked_until: datetime
-    tenant_id: str | None
-    user_id: str | None
-    user_roles: str | None
-    correlation_id: str | None
-    trace_context: str | None
-    kind: str | None
-    last_error: str | None = None
-
-    def captured_context(self) -> CapturedContext:
-        """The request context the row was written under, to restore for its delivery."""
-        return CapturedContext(
-            tenant_id=self.tenant_id,
-            user_id=self.user_id,
-            user_roles=self.user_roles,
-            correlation_id=self.correlation_id,
-            traceparent=self.trace_context,
-        )
 
 
 def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -> sa.Update:

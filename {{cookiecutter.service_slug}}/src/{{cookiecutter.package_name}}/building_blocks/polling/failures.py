@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from ..application.registry import MalformedPayloadError, UnknownMessageError
-from .claim import ClaimedRow
-from .leases import MALFORMED_PAYLOAD, RETRIES_EXHAUSTED, TYPE_UNRESOLVABLE
+from .claimed import ClaimedRow
+from .retries import MALFORMED_PAYLOAD, RETRIES_EXHAUSTED, TYPE_UNRESOLVABLE
 
 
 @dataclass(frozen=True)

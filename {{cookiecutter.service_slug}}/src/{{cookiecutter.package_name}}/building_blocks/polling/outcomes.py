@@ -21,11 +21,13 @@ from datetime import datetime, timedelta
 
 from ..kernel.clock import Clock
 from ..kernel.text import describe
-from ..persistence.database import Database, is_database_outage
-from .claim import ClaimedRow
+from ..persistence.database import Database
+from ..persistence.failures import is_database_outage
+from .claimed import ClaimedRow
 from .failures import Failure, classify
-from .leases import PAUSED_PREFIX, LeaseStore, backoff_seconds
+from .leases import LeaseStore
 from .ports import CycleMetrics, SourceSettings
+from .retries import PAUSED_PREFIX, backoff_seconds
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Protocol
 
 from ..kernel.tracing import SpanKind
-from .claim import ClaimedRow
+from .claimed import ClaimedRow
 
 
 class Delivered(Enum):

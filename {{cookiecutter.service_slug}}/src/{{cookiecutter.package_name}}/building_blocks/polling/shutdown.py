@@ -18,7 +18,7 @@ from contextlib import suppress
 from typing import TypeVar
 
 from ..persistence.database import Database
-from .claim import ClaimedRow
+from .claimed import ClaimedRow
 from .leases import LeaseStore
 
 log = logging.getLogger(__name__)

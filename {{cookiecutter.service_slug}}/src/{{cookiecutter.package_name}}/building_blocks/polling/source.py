@@ -19,8 +19,10 @@ import sqlalchemy as sa
 
 from ..kernel.clock import Clock
 from ..kernel.tracing import AttributeValue, NoTracing, Span, Tracing
-from ..persistence.database import Database, is_database_outage
-from .claim import ClaimedRow, Claimer
+from ..persistence.database import Database
+from ..persistence.failures import is_database_outage
+from .claim import Claimer
+from .claimed import ClaimedRow
 from .leases import LeaseLostError, LeaseStore
 from .loop import CycleResult
 from .outcomes import Outcomes

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -36,6 +35,7 @@ from ..domain.events import DomainEvent, Message
 from ..kernel.request_context import CapturedContext
 from ..persistence.tables import COMMAND_TABLE, DOMAIN, INTEGRATION, OUTBOX_TABLE
 from ..polling.wake import wake_replicas
+from .rows import Capture, StagedRow, WrittenRow
 
 
 def stored_ordering_key(kind: str, message: Message) -> str | None:
@@ -47,49 +47,6 @@ def stored_ordering_key(kind: str, message: Message) -> str | None:
 def notify_channel(namespace: str) -> str:
     """The LISTEN/NOTIFY channel shared by every replica of one service."""
     return f"outbox_wake:{namespace}"
-
-
-@dataclass(frozen=True)
-class StagedRow:
-    """A row about to be inserted, with the live message for in-process dispatch."""
-
-    table: sa.Table
-    values: dict[str, Any]
-    message: Message
-    leased: bool
-
-    @property
-    def id(self) -> uuid.UUID:
-        return uuid.UUID(str(self.values["id"]))
-
-    @property
-    def ordering_key(self) -> str | None:
-        value = self.values.get("ordering_key")
-        return None if value is None else str(value)
-
-
-@dataclass
-class WrittenRow:
-    """A row that committed, as the in-process dispatcher needs it."""
-
-    id: uuid.UUID
-    seq: int
-    ordering_key: str | None
-    lock_token: uuid.UUID
-    message: Message
-
-
-@dataclass
-class Capture:
-    """Everything one commit writes."""
-
-    rows: list[StagedRow] = field(default_factory=list)
-    lock_token: uuid.UUID = field(default_factory=uuid.uuid4)
-
-    @property
-    def needs_wake(self) -> bool:
-        """True when some row is for the processor (not leased to this process)."""
-        return any(not row.leased for row in self.rows)
 
 
 class RelayWriter:

@@ -17,7 +17,8 @@ from ..application.unit_of_work import Adapter
 from ..domain.events import DomainEvent
 from ..kernel.clock import Clock
 from ..persistence.database import Database
-from .capture import RelayWriter, WrittenRow
+from .capture import RelayWriter
+from .rows import WrittenRow
 
 
 class AfterCommit(Protocol):

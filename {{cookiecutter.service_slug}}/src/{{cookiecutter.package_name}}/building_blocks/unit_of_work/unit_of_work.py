@@ -41,17 +41,17 @@ from ..application.messages import IntegrationEvent, InternalCommand
 from ..domain.aggregate import AggregateRoot
 from ..domain.events import DomainEvent
 from ..kernel.request_context import capture
-from ..persistence.database import is_transient
+from ..persistence.audit_tables import InboxMessage
+from ..persistence.failures import is_transient
 from ..persistence.guard import (
     HandlerMustNotSaveError,
     handler_scope,
     refuse_commit_in_handler,
     running_handler,
 )
-from ..persistence.tables import InboxMessage
 from ..polling.leases import LeaseLostError, LeaseStore
 from . import savepoint as savepoints
-from .capture import Capture, WrittenRow
+from .rows import Capture, WrittenRow
 from .shared import Shared
 
 __all__ = [  # the guard's names are re-exported: handlers and tests know them from here

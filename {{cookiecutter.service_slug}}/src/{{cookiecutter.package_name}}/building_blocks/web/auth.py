@@ -13,7 +13,7 @@ from typing import Any
 import jwt
 
 from ..kernel.clock import Clock
-from ..kernel.request_context import MAX_TENANT_LENGTH, MAX_USER_LENGTH
+from ..kernel.context_values import MAX_TENANT_LENGTH, MAX_USER_LENGTH
 from ..kernel.text import is_plain_identifier
 
 # Far above any token this service mints (three short claims); a longer one is refused before

@@ -9,37 +9,26 @@ on :func:`authenticated`, which answers 401 with the reason. Each request runs i
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Callable
-from typing import Any, cast
 
-from fastapi import FastAPI, HTTPException, Request, status
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ..application.unit_of_work import UnitOfWorkFactory
-from ..domain.errors import ConcurrencyError, DomainError, NotFoundError
-from ..kernel.request_context import (
+from ..kernel.context_values import (
     InvalidContextError,
-    RequestContext,
-    current_context,
     new_correlation_id,
     new_traceparent,
-    use_context,
     validate_correlation_id,
     validate_traceparent,
 )
-from ..kernel.text import ECHO_LIMIT, shorten
+from ..kernel.request_context import RequestContext, use_context
 from ..kernel.tracing import NoTracing, Span, SpanKind, Tracing
 from .auth import InvalidTokenError, TokenService
 
 log = logging.getLogger(__name__)
 CORRELATION_HEADER = "x-correlation-id"
-_TOKEN_ERROR = "token_error"  # noqa: S105 (a state key, not a secret)
+TOKEN_ERROR_KEY = "token_error"  # noqa: S105 (a state key, not a secret)
 
 
 class RequestContextMiddleware:
@@ -87,12 +76,12 @@ class RequestContextMiddleware:
         if authorization:
             scheme, _, token = authorization.partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
-                state[_TOKEN_ERROR] = "Authorization must be 'Bearer <token>'"
+                state[TOKEN_ERROR_KEY] = "Authorization must be 'Bearer <token>'"
             else:
                 try:
                     identity = self.tokens.verify(token.strip())
                 except InvalidTokenError as error:
-                    state[_TOKEN_ERROR] = str(error)
+                    state[TOKEN_ERROR_KEY] = str(error)
                 else:
                     context = RequestContext(
                         tenant_id=identity.tenant_id,
@@ -111,78 +100,3 @@ class RequestContextMiddleware:
 
         with use_context(context):
             await self.app(scope, receive, send_with_correlation)
-
-
-def authenticated(request: Request) -> RequestContext:
-    """FastAPI dependency: the caller's context, or 401 with the reason."""
-    context = current_context()
-    if not context.is_authenticated or context.tenant_id is None:
-        reason = request.scope.get("state", {}).get(_TOKEN_ERROR, "a bearer token is required")
-        raise HTTPException(
-            status_code=status.HTTP_401_UNAUTHORIZED,
-            detail=reason,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
-    return context
-
-
-def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestContext]:
-    """FastAPI dependency factory: 401 without identity, 403 without ``role`` (or one of the
-    ``alternatives``)."""
-    accepted = (role, *alternatives)
-    needed = f"role {role!r}" if not alternatives else f"one of the roles {', '.join(map(repr, accepted))}"
-
-    def check(request: Request) -> RequestContext:
-        context = authenticated(request)
-        if not any(context.has_role(r) for r in accepted):
-            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"{needed} required")
-        return context
-
-    return check
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Domain errors become JSON problems with stable codes, never tracebacks."""
-
-    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, DomainError)  # noqa: S101 (registered for DomainError only)
-        code = status.HTTP_409_CONFLICT
-        if isinstance(error, NotFoundError):
-            code = status.HTTP_404_NOT_FOUND
-        elif not isinstance(error, ConcurrencyError) and error.code == "invalid":
-            code = status.HTTP_422_UNPROCESSABLE_CONTENT
-        if error.field is not None:  # shaped like FastAPI's own validation errors
-            detail = [{"loc": ["body", *error.field], "msg": error.message, "type": error.code}]
-            return JSONResponse({"detail": detail, "code": error.code}, status_code=code)
-        return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
-
-    async def validation_error(_request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, RequestValidationError)  # noqa: S101 (registered for it only)
-        detail = [_with_short_input(e) for e in jsonable_encoder(error.errors())]
-        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
-
-    app.add_exception_handler(DomainError, domain_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-
-
-def _with_short_input(error: dict[str, Any]) -> dict[str, Any]:
-    """FastAPI's validation error with ``input`` cut to a short prefix: a refused megabyte (or,
-    for a missing field, the whole body) is not sent back to the caller."""
-    if "input" not in error:
-        return error
-    return {**error, "input": short_echo(error["input"])}
-
-
-def short_echo(value: object) -> object:
-    """``value`` itself when its JSON form is short, else the start of that JSON form."""
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
-    return value if len(text) <= ECHO_LIMIT else shorten(text)
-
-
-def units_of_work(request: Request) -> UnitOfWorkFactory:
-    """FastAPI dependency: the factory the composition root put on the app."""
-    factory = getattr(request.app.state, "units_of_work", None)
-    if not callable(factory):
-        msg = "app.state.units_of_work is not set; build the app with entrypoints.app.create_app"
-        raise TypeError(msg)
-    return cast("UnitOfWorkFactory", factory)

@@ -22,8 +22,7 @@ from typing import Any
 from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
-from faststream.nats.message import NatsMessage as NatsMessageType
-from nats.errors import ConnectionClosedError, NoServersError, NotJSMessageError
+from nats.errors import ConnectionClosedError, NoServersError
 from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from ....settings import MessageBusSettings
@@ -32,60 +31,16 @@ from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import (
-    DeadLetterCopy,
-    DeliveryHandler,
-    FastStreamTransport,
-    ReceivedMessage,
-    as_text,
-    dead_letter_headers,
-    undecoded_body,
-)
+from .base import FastStreamTransport
+from .headers import as_text, undecoded_body
+from .nats_delivery import ACK_WAIT_SECONDS, NatsDelivery
+from .ports import DeadLetterCopy, DeliveryHandler
 
-ACK_WAIT_SECONDS = 30
 DECLARE_ATTEMPTS = 5
 
 
 def _durable(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", name)
-
-
-class NatsDelivery(ReceivedMessage):
-    def __init__(
-        self, message: NatsMessageType, broker: NatsBroker, *, dlq_subject: str, dlq_stream: str, delay: float
-    ) -> None:
-        super().__init__(message)
-        self._broker = broker
-        self._dlq_subject = dlq_subject
-        self._dlq_stream = dlq_stream
-        self._delay = delay
-
-    async def attempt(self) -> int:
-        try:
-            return int(self._message.raw_message.metadata.num_delivered)
-        except NotJSMessageError:  # a core-NATS message (FastStream's TestNatsBroker): no count
-            return 1
-
-    async def retry(self, attempt: int) -> None:
-        await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
-
-    @property
-    def heartbeat_seconds(self) -> float | None:
-        return ACK_WAIT_SECONDS / 3  # a handler slower than ack_wait would run twice at once
-
-    async def touch(self) -> None:
-        await self._message.in_progress()
-
-    async def dead_letter(self, error: str, attempt: int) -> None:
-        headers = {
-            k: v
-            for k, v in dead_letter_headers(
-                self.headers, error, attempt, self._message.raw_message.subject
-            ).items()
-            if not k.startswith("Nats-")
-        }
-        await self._broker.publish(self.body, self._dlq_subject, headers=headers, stream=self._dlq_stream)
-        await self._message.ack()
 
 
 class NatsTransport(FastStreamTransport):

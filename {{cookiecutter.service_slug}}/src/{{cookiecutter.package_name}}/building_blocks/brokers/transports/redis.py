@@ -30,7 +30,6 @@ size; ASCII headers encode exactly as before, so old and new processes read each
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -41,9 +40,7 @@ from typing import Any
 from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
-from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
 from faststream.redis.message import bDATA_KEY
-from faststream.redis.parser.binary import BinaryMessageFormatV1
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -51,95 +48,15 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from ....settings import MessageBusSettings
 from ...application.handlers import Consumer
 from ...application.registry import MessageRegistry
-from ...kernel.text import as_str
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import (
-    DeadLetterCopy,
-    DeliveryHandler,
-    FastStreamTransport,
-    ReceivedMessage,
-    as_text,
-    dead_letter_headers,
-    fallback_parser,
-    undecoded_body,
-)
+from .base import FastStreamTransport
+from .headers import as_text, fallback_parser, undecoded_body
+from .ports import DeadLetterCopy, DeliveryHandler
+from .redis_delivery import RedisDelivery, as_entry_id
+from .redis_format import Utf8BinaryMessageFormat, raw_entry
 
 log = logging.getLogger(__name__)
-
-
-def as_entry_id(entry_id: bytes | str) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-
-
-def raw_entry(fields: Mapping[Any, Any]) -> bytes:
-    """The bytes an unreadable stream entry carried: its ``__data__``, or all its fields."""
-    data = fields.get(bDATA_KEY)
-    if isinstance(data, bytes):
-        return data
-    return json.dumps({as_str(name): as_str(value) for name, value in fields.items()}).encode()
-
-
-def utf8_headers(headers: Mapping[str, Any]) -> dict[Any, Any]:
-    """Header names and text values as UTF-8 bytes (FastStream measures bytes correctly)."""
-    return {
-        name.encode(): value.encode() if isinstance(value, str) else value for name, value in headers.items()
-    }
-
-
-class Utf8BinaryMessageFormat(BinaryMessageFormatV1):
-    """FastStream's binary format with header names and values written as UTF-8 bytes."""
-
-    @classmethod
-    async def encode(cls, *, headers: dict[str, Any] | None, **parts: Any) -> bytes:  # noqa: ANN401
-        return await super().encode(headers=None if headers is None else utf8_headers(headers), **parts)
-
-
-class RedisDelivery(ReceivedMessage):
-    def __init__(
-        self,
-        message: RedisStreamMessageType,
-        broker: RedisBroker,
-        *,
-        stream: str,
-        dlq: str,
-        group: str,
-        member: str,
-        idle_seconds: float,
-    ) -> None:
-        super().__init__(message)
-        self._broker = broker
-        self._stream = stream
-        self._dlq = dlq
-        self._group = group
-        self._member = member
-        self._idle_seconds = idle_seconds
-
-    @property
-    def heartbeat_seconds(self) -> float | None:
-        return max(self._idle_seconds / 3, 0.05)  # the reclaimer takes entries idle that long
-
-    async def touch(self) -> None:
-        """``XCLAIM ... JUSTID`` to ourselves resets the idle time, not the delivery count."""
-        entry_ids = self._message.raw_message.get("message_ids") or []
-        if entry_ids:
-            await self._broker.config.connection.client.xclaim(
-                self._stream, self._group, self._member, 0, list(entry_ids), justid=True
-            )
-
-    async def attempt(self) -> int:
-        return int(await self._message.get_delivery_count())
-
-    async def retry(self, attempt: int) -> None:
-        del attempt  # left pending: the reclaimer delivers it again after min_idle_time
-
-    async def dead_letter(self, error: str, attempt: int) -> None:
-        await self._broker.publish(
-            self.body,
-            stream=self._dlq,
-            headers=dead_letter_headers(self.headers, error, attempt, self._stream),
-        )
-        await self._message.ack()
 
 
 class RedisTransport(FastStreamTransport):
