@@ -28,10 +28,8 @@ from {{ cookiecutter.package_name }}.building_blocks.application.messages import
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
-    PostgresListener,
-    WakeSignal,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.listener import PostgresListener
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
     notify_channel,
 )

@@ -276,7 +276,7 @@ async def test_a_failed_release_is_logged_and_the_row_waits_out_its_lease(
         msg = "handler exploded"
         raise RuntimeError(msg)
 
-    monkeypatch.setattr(kit.container.dispatcher()._store, "release", release_fails)
+    monkeypatch.setattr(kit.container.dispatcher()._leases.store, "release", release_fails)
     kit.on(Created, fails)
     lease = kit.container.settings().outbox.lease_seconds
     with caplog.at_level(logging.ERROR):

@@ -21,9 +21,10 @@ from ..building_blocks.outbox.deliverer import OutboxDeliverer
 from ..building_blocks.outbox.in_process import LocalDispatcher
 from ..building_blocks.persistence.database import Database
 from ..building_blocks.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
+from ..building_blocks.polling.listener import PostgresListener
 from ..building_blocks.polling.ports import Deliverer, SourceSettings
 from ..building_blocks.polling.source import TableSource
-from ..building_blocks.polling.wake import PostgresListener, WakeSignal
+from ..building_blocks.polling.wake import WakeSignal
 from ..building_blocks.unit_of_work.capture import RelayWriter, notify_channel
 from ..building_blocks.unit_of_work.factory import UnitOfWorkFactory
 from ..settings import Settings

@@ -27,30 +27,30 @@ The handler runs under the runtime guard: it must not commit; the pipeline does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ..application.handlers import Consumer, handler_name
-from ..application.registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
+from ..application.registry import MessageRegistry
 from ..domain.events import Message
 from ..kernel.clock import Clock
 from ..kernel.metrics import RelayMetrics
 from ..kernel.request_context import current_context, restored
 from ..kernel.tracing import NoTracing, SpanKind, Tracing
-from ..messaging.envelope import Envelope, RejectedMessageError, Rejection
+from ..messaging.envelope import RejectedMessageError
 from ..messaging.reading import read_envelope
 from ..messaging.signing import Signer
 from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
 from ..persistence.guard import handler_scope
 from ..unit_of_work.factory import UnitOfWorkFactory
+from .decoding import decode, refuse_stale
 from .delivery import Delivery, delivering
 
 log = logging.getLogger(__name__)
@@ -91,46 +91,14 @@ class ConsumePipeline:
         self._metrics = metrics
         self._clock = clock
 
-    def _refuse_stale(self, envelope: Envelope) -> None:
-        """Reject a message older than the inbox remembers (see the module docstring)."""
-        if self._max_age is None:
-            return
-        age = self._clock() - envelope.occurred_on
-        if age > self._max_age:
-            detail = (
-                f"x-occurred-on {envelope.occurred_on.isoformat()} is {age.days} days old, older than "
-                f"INBOX__RETENTION_DAYS ({self._max_age.days}): a duplicate could no longer be recognised"
-            )
-            raise RejectedMessageError(Rejection.STALE, detail)
-
-    def _decode(self, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, an int past
-            # Python's digit limit (ValueError), or nesting deeper than the recursion limit
-            detail = f"the body is not readable JSON: {type(error).__name__}: {error}"
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, detail) from error
-        if not isinstance(payload, dict):
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
-        try:
-            message = self._registry.load(event_name, payload)
-        except UnknownMessageError as error:
-            raise RejectedMessageError(Rejection.UNKNOWN_EVENT, str(error)) from error
-        except MalformedPayloadError as error:
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, str(error)) from error
-        if not isinstance(message, consumer.event_type):
-            detail = f"{event_name} is not consumed by {consumer.name}"
-            raise RejectedMessageError(Rejection.UNEXPECTED_EVENT, detail)
-        return cast("Message", message)
-
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
     ) -> ConsumeOutcome:
         """Process one message for one consumer (see the module docstring)."""
         try:
             envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
-            self._refuse_stale(envelope)
-            message = self._decode(consumer, envelope.event_name, body)
+            refuse_stale(envelope, self._clock(), self._max_age)
+            message = decode(self._registry, consumer, envelope.event_name, body)
         except RejectedMessageError as rejected:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
             raise

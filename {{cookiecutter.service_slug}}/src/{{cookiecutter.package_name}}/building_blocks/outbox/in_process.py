@@ -10,21 +10,13 @@ under only keeps other replicas away while it lasts, and an earlier row's handle
 it; so each row's lease is renewed under its token just before its handlers run, and a row whose
 token is gone (a replica claimed it meanwhile) is skipped: its new owner delivers it.
 
-A failed delivery releases the row's lease under its token (best effort, logged on failure), so
-the processor retries it once the processing delay has passed; later rows of the same ordering
-key are released untouched so they are not delivered before it. A keyed row that still has an
-earlier pending row of its key (written by another transaction) is left to the processor, whose
-claim enforces the order. Every release sends a PostgreSQL NOTIFY in its own transaction: the
-processor that retries the row may live in another process (API and worker apart), which would
-otherwise only find it at its fallback poll. A shutdown that interrupts the dispatch gives the
-rows not yet finished back the same way, so they do not wait out their lease.
-
-Cascades (handlers raising events whose handlers raise events...) are bounded by
-``OUTBOX__MAX_CASCADE_DEPTH``. Past it the rows are dead-lettered with the reason
-``cascade_depth_exceeded`` and an Error log names them: handing them to the processor instead
-would only restart the count (the processor delivers at depth 1), so an event loop A -> B -> A
-would never end. A dead letter is evidence an operator can read and replay once the loop is
-fixed; the rows committed so far stay committed.
+A failed delivery releases the row's lease under its token, so the processor retries it once the
+processing delay has passed (``row_leases``: with a NOTIFY, best effort); later rows of the same
+ordering key are released untouched so they are not delivered before it. A keyed row that still
+has an earlier pending row of its key (written by another transaction) is left to the processor,
+whose claim enforces the order. A shutdown that interrupts the dispatch gives the rows not yet
+finished back the same way, so they do not wait out their lease. Cascades past
+``OUTBOX__MAX_CASCADE_DEPTH`` are dead-lettered (``cascade``).
 """
 
 from __future__ import annotations
@@ -32,22 +24,17 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
-from itertools import groupby
 from typing import TYPE_CHECKING
-
-import sqlalchemy as sa
 
 from ..application.handlers import HandlerRegistry, handler_name
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
 from ..persistence.guard import handler_scope
-from ..persistence.tables import OUTBOX_TABLE
-from ..polling.leases import LeaseLostError, LeaseStore
-from ..polling.retries import CASCADE_DEPTH_EXCEEDED
-from ..polling.wake import wake_replicas
+from ..polling.leases import LeaseLostError
 from ..unit_of_work.factory import UnitOfWorkFactory
 from ..unit_of_work.rows import WrittenRow
+from .cascade import dead_letter_cascade
+from .row_leases import InProcessRowLeases
 
 if TYPE_CHECKING:
     import uuid
@@ -56,10 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 DirectPublish = Callable[[IntegrationEvent], Awaitable[None]]
-
-
-class CascadeDepthError(RuntimeError):
-    """Domain events kept raising domain events past the configured depth."""
 
 
 class LocalDispatcher:
@@ -84,11 +67,13 @@ class LocalDispatcher:
         self._handlers = handlers
         self._metrics = metrics
         self._max_depth = max_cascade_depth
-        self._lease = timedelta(seconds=lease_seconds)
-        self._channel = notify_channel
-        self._shutdown_timeout = shutdown_timeout_seconds
-        self._store = LeaseStore(OUTBOX_TABLE)
         self._units = units
+        self._leases = InProcessRowLeases(
+            units=units,
+            lease_seconds=lease_seconds,
+            notify_channel=notify_channel,
+            shutdown_timeout_seconds=shutdown_timeout_seconds,
+        )
         self._publish_direct = publish_direct
 
     @property
@@ -104,7 +89,7 @@ class LocalDispatcher:
                 with handler_scope(handler_name(handler)):
                     await handler(message, uow)
             if row_id is not None and token is not None:
-                uow.stamp_processed_on_commit(self._store, row_id, token)
+                uow.stamp_processed_on_commit(self._leases.store, row_id, token)
             await uow.commit()
 
     async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
@@ -113,7 +98,14 @@ class LocalDispatcher:
         if not rows:
             return
         if depth >= self._max_depth:
-            await self._dead_letter_cascade(rows)
+            await dead_letter_cascade(
+                database=self.factory.database,
+                clock=self.factory.clock,
+                store=self._leases.store,
+                rows=rows,
+                max_depth=self._max_depth,
+                metrics=self._metrics,
+            )
             return
         blocked_keys: set[str] = set()
         try:
@@ -121,7 +113,7 @@ class LocalDispatcher:
                 await self._dispatch_one(row, blocked_keys, depth)
         except asyncio.CancelledError:
             # Token-guarded: rows already stamped no longer match, the rest are given back.
-            await self._release_on_shutdown(rows)
+            await self._leases.release_on_shutdown(rows)
             raise
 
     async def _dispatch_one(self, row: WrittenRow, blocked_keys: set[str], depth: int) -> None:
@@ -129,14 +121,14 @@ class LocalDispatcher:
         delivered here are handed over too, so they never overtake it."""
         key = row.ordering_key
         if key is not None and key in blocked_keys:
-            await self._release([row], None)
+            await self._leases.release([row], None)
             return
         try:
-            if key is not None and await self._has_earlier_pending(row):
+            if key is not None and await self._leases.has_earlier_pending(row):
                 blocked_keys.add(key)
-                await self._release([row], None)
+                await self._leases.release([row], None)
                 return
-            await self._renew(row)
+            await self._leases.renew(row)
             await self.deliver(row.message, row_id=row.id, token=row.lock_token, depth=depth + 1)
         except LeaseLostError:
             if key is not None:
@@ -156,15 +148,7 @@ class LocalDispatcher:
             )
             if key is not None:
                 blocked_keys.add(key)
-            await self._release([row], error)
-
-    async def _renew(self, row: WrittenRow) -> None:
-        """Give the row a whole lease for its own delivery (``LeaseLostError``: no longer ours)."""
-        until = self.factory.clock() + self._lease
-        async with self.factory.database.bookkeeping() as connection:
-            if not await self._store.renew(connection, row.id, row.lock_token, until):
-                msg = f"outbox row {row.id} is no longer leased to this process"
-                raise LeaseLostError(msg)
+            await self._leases.release([row], error)
 
     async def dispatch_without_outbox(
         self,
@@ -190,72 +174,3 @@ class LocalDispatcher:
                 await self._publish_direct(integration_event)
             except Exception:
                 log.exception("direct publish of %s failed (outbox disabled)", integration_event.message_name)
-
-    async def _has_earlier_pending(self, row: WrittenRow) -> bool:
-        table = OUTBOX_TABLE
-        statement = (
-            sa.select(sa.literal(1))
-            .where(
-                table.c.ordering_key == row.ordering_key,
-                table.c.seq < row.seq,
-                table.c.processed_on.is_(None),
-                table.c.dead_lettered_on.is_(None),
-            )
-            .limit(1)
-        )
-        async with self.factory.database.bookkeeping() as connection:
-            result = await connection.execute(statement)
-            return result.first() is not None
-
-    async def _dead_letter_cascade(self, rows: Sequence[WrittenRow]) -> None:
-        names = ", ".join(sorted({row.message.message_name for row in rows}))
-        error = CascadeDepthError(
-            f"domain events cascaded past depth {self._max_depth} (OUTBOX__MAX_CASCADE_DEPTH): a handler "
-            f"chain keeps raising events; {len(rows)} row(s) of {names} dead-lettered"
-        )
-        log.error("%s (rows %s)", error, ", ".join(str(row.id) for row in rows))
-        now = self.factory.clock()
-        try:
-            async with self.factory.database.bookkeeping() as connection:
-                for row in rows:
-                    await self._store.record_failure(
-                        connection,
-                        row.id,
-                        row.lock_token,
-                        now=now,
-                        error=repr(error),
-                        retry_count=0,
-                        retry_at=now,
-                        dead_letter_reason=CASCADE_DEPTH_EXCEEDED,
-                    )
-        except Exception:
-            # Best effort, like a release: the rows then wait out their lease for the processor.
-            log.exception("could not dead-letter %s outbox row(s) past the cascade depth", len(rows))
-            return
-        if self._metrics is not None:
-            self._metrics.dead_letters.labels("outbox", CASCADE_DEPTH_EXCEEDED).inc(len(rows))
-
-    async def _release(self, rows: Sequence[WrittenRow], error: BaseException | None) -> None:
-        """Give rows back to the processor (uncharged) and wake every replica's processor."""
-        note = None if error is None else repr(error)
-        try:
-            async with self.factory.database.bookkeeping() as connection:
-                for token, group in groupby(rows, key=lambda row: row.lock_token):
-                    await self._store.release(connection, [row.id for row in group], token, error=note)
-                if self.factory.database.is_postgresql:
-                    await connection.execute(wake_replicas(self._channel))
-            self.factory.wake()
-        except Exception:
-            # Best effort: the rows then wait out their lease (OUTBOX__LEASE_SECONDS).
-            log.exception("could not release the lease of %s outbox row(s)", len(rows))
-
-    async def _release_on_shutdown(self, rows: Sequence[WrittenRow]) -> None:
-        """The release, protected from the cancellation that is stopping the process and bounded
-        by the shutdown timeout."""
-        release = asyncio.ensure_future(self._release(rows, None))
-        try:
-            await asyncio.wait_for(asyncio.shield(release), self._shutdown_timeout)
-        except TimeoutError:
-            log.warning(
-                "shutdown: %s in-process row(s) not released in time; they wait out their lease", len(rows)
-            )

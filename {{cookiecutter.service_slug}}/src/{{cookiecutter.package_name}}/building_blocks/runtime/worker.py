@@ -20,9 +20,10 @@ from ..kernel.metrics import RelayMetrics
 from ..messaging.bus import MessageBus
 from ..operations.retention import RetentionCleaner
 from ..persistence.database import Database
+from ..polling.listener import PostgresListener
 from ..polling.loop import PollingLoop
 from ..polling.source import TableSource
-from ..polling.wake import PostgresListener, WakeSignal
+from ..polling.wake import WakeSignal
 
 log = logging.getLogger(__name__)
 
