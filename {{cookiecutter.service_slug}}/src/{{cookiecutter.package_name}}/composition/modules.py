@@ -5,12 +5,9 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
+from ..building_blocks.application.discovery import discover_modules, import_table_modules
 from ..building_blocks.application.handlers import HandlerRegistry
-from ..building_blocks.application.module import (
-    Module,
-    discover_modules,
-    import_table_modules,
-)
+from ..building_blocks.application.module import Module
 from ..building_blocks.application.registry import MessageRegistry
 
 

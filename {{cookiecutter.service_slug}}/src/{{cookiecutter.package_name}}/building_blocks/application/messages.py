@@ -14,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..domain.events import Message, check_ordering_key, utc_now
+from ..domain.events import Message, utc_now
+from ..domain.names import check_ordering_key
 
 
 class _ModelMessage(Message, BaseModel):
@@ -23,7 +24,7 @@ class _ModelMessage(Message, BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     def model_post_init(self, _context: Any, /) -> None:  # noqa: ANN401 (pydantic's signature)
-        check_ordering_key(self)
+        check_ordering_key(self.message_name, self.ordering_key())
 
 
 class IntegrationEvent(_ModelMessage):

@@ -8,11 +8,8 @@ deleting its folders.
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..domain.events import Message
@@ -47,27 +44,6 @@ class Module:
     """Port (a Protocol the use cases ask ``uow.repository`` for) -> adapter class."""
 
 
-def discover_modules(contexts: ModuleType) -> list[Module]:
-    """Import ``<contexts>.<name>.module`` for every context folder, in name order (a folder
-    without ``module.py`` is not a context and is skipped)."""
-    found: list[Module] = []
-    for info in sorted(pkgutil.iter_modules(contexts.__path__), key=lambda i: i.name):
-        if not info.ispkg:
-            continue
-        try:
-            contributed = importlib.import_module(f"{contexts.__name__}.{info.name}.module")
-        except ModuleNotFoundError as error:
-            if error.name == f"{contexts.__name__}.{info.name}.module":
-                continue
-            raise
-        factory = getattr(contributed, "module", None)
-        if not callable(factory):
-            msg = f"{contributed.__name__} must define module() -> Module"
-            raise TypeError(msg)
-        found.append(factory())
-    return found
-
-
 def collect_adapters(modules: Sequence[Module]) -> dict[type[Any], Adapter]:
     """Every context's port -> adapter map; one port claimed twice is refused."""
     adapters: dict[type[Any], Adapter] = {}
@@ -78,10 +54,3 @@ def collect_adapters(modules: Sequence[Module]) -> dict[type[Any], Adapter]:
                 raise TypeError(msg)
             adapters[port] = adapter
     return adapters
-
-
-def import_table_modules(modules: Sequence[Module]) -> None:
-    """Import every context's table definitions so SQLModel's metadata knows them."""
-    for module in modules:
-        for name in module.table_modules:
-            importlib.import_module(name)

@@ -15,7 +15,7 @@ from ..application.handlers import HandlerRegistry, handler_name
 from ..application.registry import MessageRegistry
 from ..kernel.request_context import restored
 from ..kernel.tracing import SpanKind
-from ..persistence.guard import handler_scope
+from ..persistence.handler_scope import handler_scope
 from ..persistence.tables import COMMAND_TABLE
 from ..polling.claimed import ClaimedRow
 from ..polling.leases import LeaseStore

@@ -48,7 +48,7 @@ from ..messaging.envelope import RejectedMessageError
 from ..messaging.reading import read_envelope
 from ..messaging.signing import Signer
 from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
-from ..persistence.guard import handler_scope
+from ..persistence.handler_scope import handler_scope
 from ..unit_of_work.factory import UnitOfWorkFactory
 from .decoding import decode, refuse_stale
 from .delivery import Delivery, delivering

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import re
 
+from .escaping import ELLIPSIS, bounded
+
 REPLACEMENT = "\N{REPLACEMENT CHARACTER}"
 # NUL and every surrogate code point: what a UTF-8 text column cannot hold.
 _UNSTORABLE = {0: REPLACEMENT} | dict.fromkeys(range(0xD800, 0xE000), REPLACEMENT)
@@ -29,9 +31,6 @@ _UNSTORABLE_CLASS = "\x00\ud800-\udfff"  # the same code points, as a pattern's 
 _HAS_UNSTORABLE = re.compile(f"[{_UNSTORABLE_CLASS}]")
 _HAS_CONTROL_OR_UNSTORABLE = re.compile(f"[\x01-\x1f\x7f-\x9f{_UNSTORABLE_CLASS}]")
 ECHO_LIMIT = 64
-_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
-_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-ELLIPSIS = "..."  # ASCII: FastStream 0.7.8 writes Redis header lengths in characters, not bytes
 
 
 def storable(text: str, limit: int) -> str:
@@ -62,34 +61,3 @@ def is_plain_identifier(text: str) -> bool:
 def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
     """The first ``limit`` characters of ``text``, marked with ``...`` when cut (for echoes)."""
     return bounded(text, limit + len(ELLIPSIS))
-
-
-def escape_controls(text: str) -> str:
-    """``text`` with every control character and lone surrogate replaced by a visible escape."""
-    return _UNSAFE.sub(_escape, text)
-
-
-def _escape(match: re.Match[str]) -> str:
-    char = match.group()
-    if char in _NAMED:
-        return _NAMED[char]
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
-
-
-def as_str(value: object) -> str:
-    """Any header value as text without raising: bytes that are not UTF-8 keep their bytes
-    visible as ``\\xNN`` instead of failing the decode."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value).decode("utf-8", "backslashreplace")
-    return value if isinstance(value, str) else str(value)
-
-
-def bounded(text: str, limit: int) -> str:
-    """``text`` cut to at most ``limit`` characters, marked with an ellipsis when cut."""
-    return text if len(text) <= limit else text[: limit - len(ELLIPSIS)] + ELLIPSIS
-
-
-def safe_text(value: object, limit: int) -> str:
-    """An untrusted value as one line of valid text of at most ``limit`` characters."""
-    return bounded(escape_controls(as_str(value)), limit)

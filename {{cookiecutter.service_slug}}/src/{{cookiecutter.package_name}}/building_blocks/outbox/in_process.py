@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from ..application.handlers import HandlerRegistry, handler_name
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
-from ..persistence.guard import handler_scope
+from ..persistence.handler_scope import handler_scope
 from ..polling.leases import LeaseLostError
 from ..unit_of_work.factory import UnitOfWorkFactory
 from ..unit_of_work.rows import WrittenRow

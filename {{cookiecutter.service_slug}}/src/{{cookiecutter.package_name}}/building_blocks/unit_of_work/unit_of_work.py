@@ -43,7 +43,7 @@ from ..domain.events import DomainEvent
 from ..kernel.request_context import capture
 from ..persistence.audit_tables import InboxMessage
 from ..persistence.failures import is_transient
-from ..persistence.guard import (
+from ..persistence.handler_scope import (
     HandlerMustNotSaveError,
     handler_scope,
     refuse_commit_in_handler,

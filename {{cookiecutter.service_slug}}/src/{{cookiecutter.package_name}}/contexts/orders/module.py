@@ -28,5 +28,5 @@ def module() -> Module:
             OrderSummaries: SqlOrderSummaries,
             CustomerCounters: SqlCustomerCounters,
         },
-        table_modules=(f"{__package__}.infrastructure",),
+        table_modules=(f"{__package__}.tables",),
     )

@@ -9,7 +9,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ...kernel.text import as_str, safe_text
+from ...kernel.escaping import as_str, safe_text
 from ...messaging.envelope import LIMITS, MESSAGE_ID, RejectedMessageError, Rejection
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 from faststream.kafka import KafkaBroker
 from faststream.kafka.message import KafkaMessage as KafkaMessageType
 
-from ...kernel.text import as_str
+from ...kernel.escaping import as_str
 from .base import ReceivedMessage
 from .headers import broker_count, dead_letter_headers, own_headers
 

@@ -11,7 +11,7 @@ from typing import Any
 from faststream.redis.message import bDATA_KEY
 from faststream.redis.parser.binary import BinaryMessageFormatV1
 
-from ...kernel.text import as_str
+from ...kernel.escaping import as_str
 
 
 def raw_entry(fields: Mapping[Any, Any]) -> bytes:
