@@ -22,9 +22,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.application.handlers import (
-    handler_name,
-)
+from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import handler_name
 from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
     InternalCommand,

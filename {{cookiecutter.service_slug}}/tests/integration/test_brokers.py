@@ -38,10 +38,8 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit i
 )
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import RedisDelivery
 from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
-    capture,
-    current_context,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import current_context
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
 from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (

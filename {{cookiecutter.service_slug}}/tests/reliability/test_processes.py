@@ -22,9 +22,7 @@ import sqlalchemy as sa
 from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
     CRASH_GUARD_ERROR,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
-    capture,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )

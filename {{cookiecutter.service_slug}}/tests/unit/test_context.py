@@ -8,13 +8,8 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values impor
     flatten_roles,
     validate_correlation_id,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
-    RequestContext,
-    capture,
-    current_context,
-    restored,
-    use_context,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture, restored
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import RequestContext, current_context, use_context
 
 pytestmark = pytest.mark.unit
 

@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from {{ cookiecutter.package_name }}.building_blocks.kernel.no_tracing import NoTracing
 from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import NoTracing, SpanKind
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanKind
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     Settings,

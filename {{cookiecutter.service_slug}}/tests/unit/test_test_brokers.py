@@ -39,9 +39,7 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.headers 
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import KafkaTransport
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import ATTEMPT, NOT_BEFORE, KafkaDelivery
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import KafkaTopologyError
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
-    capture,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
 from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (

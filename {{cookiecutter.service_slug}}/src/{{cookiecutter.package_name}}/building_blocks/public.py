@@ -20,7 +20,8 @@ breaking your code.
 * tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL).
 """
 
-from .application.handlers import Handler, HandlerRegistry
+from .application.handler_types import Handler
+from .application.handlers import HandlerRegistry
 from .application.messages import IntegrationEvent, InternalCommand
 from .application.module import Module, UpcasterSpec
 from .application.unit_of_work import (

@@ -12,8 +12,9 @@ from ..building_blocks.brokers.in_process import InProcessBus
 from ..building_blocks.inbox.pipeline import ConsumePipeline
 from ..building_blocks.kernel.clock import system_clock
 from ..building_blocks.kernel.metrics import RelayMetrics
+from ..building_blocks.kernel.no_tracing import NoTracing
 from ..building_blocks.kernel.otel import OpenTelemetryTracing
-from ..building_blocks.kernel.tracing import NoTracing, Tracing
+from ..building_blocks.kernel.tracing import Tracing
 from ..building_blocks.messaging.bus import MessageBus
 from ..building_blocks.messaging.signing import Signer
 from ..building_blocks.web.auth import TokenService

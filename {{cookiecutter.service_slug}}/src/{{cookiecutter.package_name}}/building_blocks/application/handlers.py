@@ -12,39 +12,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 from ..domain.events import DomainEvent, Message
+from .handler_types import Consumer, Handler, M
 from .messages import IntegrationEvent, InternalCommand
-from .unit_of_work import UnitOfWork
-
-M_contra = TypeVar("M_contra", bound=Message, contravariant=True)
-M = TypeVar("M", bound=Message)
-
-
-class Handler(Protocol[M_contra]):
-    """Reacts to one message inside a unit of work it must not commit."""
-
-    def __call__(self, message: M_contra, uow: UnitOfWork, /) -> Awaitable[None]: ...
-
-
-def handler_name(handler: object) -> str:
-    """A readable dotted name for logs and error messages."""
-    target = handler
-    if not hasattr(target, "__qualname__"):
-        target = type(handler)
-    module = getattr(target, "__module__", "?")
-    return f"{module}.{getattr(target, '__qualname__', repr(target))}"
-
-
-@dataclass(frozen=True)
-class Consumer(Generic[M]):
-    """An integration-event handler with the durable name its inbox rows and queues use."""
-
-    name: str
-    event_type: type[M]
-    handler: Handler[M]
 
 
 class HandlerRegistryError(Exception):

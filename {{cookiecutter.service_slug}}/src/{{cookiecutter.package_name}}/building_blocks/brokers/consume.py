@@ -29,10 +29,10 @@ import logging
 from typing import Any
 
 from ...settings import MessageBusSettings
-from ..application.handlers import Consumer
+from ..application.handler_types import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
-from ..messaging.envelope import RejectedMessageError
+from ..messaging.rejections import RejectedMessageError
 from .holding import consume_through_database_outages, keep_alive
 from .transports.ports import Delivery
 

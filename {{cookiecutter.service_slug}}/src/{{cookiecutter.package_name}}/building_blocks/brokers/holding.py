@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from ..application.handlers import Consumer
+from ..application.handler_types import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
 from ..persistence.failures import is_database_outage

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import uuid
 
-from ..application.handlers import HandlerRegistry, handler_name
+from ..application.handler_types import handler_name
+from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
-from ..kernel.request_context import restored
+from ..kernel.hops import restored
 from ..kernel.tracing import SpanKind
 from ..persistence.handler_scope import handler_scope
 from ..persistence.tables import COMMAND_TABLE

@@ -9,10 +9,11 @@ import json
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from ..application.handlers import Consumer
+from ..application.handler_types import Consumer
 from ..application.registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
 from ..domain.events import Message
-from ..messaging.envelope import Envelope, RejectedMessageError, Rejection
+from ..messaging.envelope import Envelope
+from ..messaging.rejections import RejectedMessageError, Rejection
 
 
 def refuse_stale(envelope: Envelope, now: datetime, max_age: timedelta | None) -> None:

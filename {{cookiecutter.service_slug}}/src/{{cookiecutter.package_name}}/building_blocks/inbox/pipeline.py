@@ -37,15 +37,17 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from ..application.handlers import Consumer, handler_name
+from ..application.handler_types import Consumer, handler_name
 from ..application.registry import MessageRegistry
 from ..domain.events import Message
 from ..kernel.clock import Clock
+from ..kernel.hops import restored
 from ..kernel.metrics import RelayMetrics
-from ..kernel.request_context import current_context, restored
-from ..kernel.tracing import NoTracing, SpanKind, Tracing
-from ..messaging.envelope import RejectedMessageError
+from ..kernel.no_tracing import NoTracing
+from ..kernel.request_context import current_context
+from ..kernel.tracing import SpanKind, Tracing
 from ..messaging.reading import read_envelope
+from ..messaging.rejections import RejectedMessageError
 from ..messaging.signing import Signer
 from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
 from ..persistence.handler_scope import handler_scope

@@ -15,8 +15,6 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
-from .context_values import flatten_roles, new_correlation_id, split_roles
-
 
 @dataclass(frozen=True, slots=True)
 class RequestContext:
@@ -60,30 +58,6 @@ def current_context() -> RequestContext:
     return context
 
 
-def capture() -> CapturedContext:
-    """Snapshot the ambient context for persistence (roles flattened and capped)."""
-    context = current_context()
-    return CapturedContext(
-        tenant_id=context.tenant_id,
-        user_id=context.user_id,
-        user_roles=flatten_roles(context.roles),
-        correlation_id=context.correlation_id,
-        traceparent=context.traceparent,
-    )
-
-
-def rebuild(captured: CapturedContext, *, authentication_type: str) -> RequestContext:
-    """Turn a captured context back into a live one, naming the hop it came back from."""
-    return RequestContext(
-        tenant_id=captured.tenant_id,
-        user_id=captured.user_id,
-        roles=split_roles(captured.user_roles),
-        correlation_id=captured.correlation_id or new_correlation_id(),
-        traceparent=captured.traceparent,
-        authentication_type=authentication_type if captured.user_id else None,
-    )
-
-
 @contextmanager
 def use_context(context: RequestContext) -> Iterator[RequestContext]:
     """Run a block under ``context``, replacing (not merging) whatever was ambient."""
@@ -92,10 +66,3 @@ def use_context(context: RequestContext) -> Iterator[RequestContext]:
         yield context
     finally:
         _current.reset(token)
-
-
-@contextmanager
-def restored(captured: CapturedContext, *, authentication_type: str) -> Iterator[RequestContext]:
-    """Restore a captured context for one delivery (outbox row, command or message)."""
-    with use_context(rebuild(captured, authentication_type=authentication_type)) as context:
-        yield context

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 AttributeValue = str | int | float | bool
@@ -72,37 +72,3 @@ class Tracing(Protocol):
     def shutdown(self) -> None:
         """Flush what is buffered (called once when the container closes)."""
         ...
-
-
-class _PassThroughSpan:
-    def __init__(self, traceparent: str | None) -> None:
-        self._traceparent = traceparent
-
-    @property
-    def traceparent(self) -> str | None:
-        return self._traceparent
-
-    def set_attribute(self, key: str, value: AttributeValue) -> None:
-        del key, value
-
-    def record_failure(self, error: BaseException) -> None:
-        del error
-
-
-class NoTracing:
-    """The default: no spans, the incoming ``traceparent`` travels on unchanged."""
-
-    @contextlib.contextmanager
-    def span(
-        self,
-        name: str,
-        *,
-        kind: SpanKind,
-        traceparent: str | None,
-        attributes: Mapping[str, AttributeValue] | None = None,
-    ) -> Iterator[Span]:
-        del name, kind, attributes
-        yield _PassThroughSpan(traceparent)
-
-    def shutdown(self) -> None:
-        return None

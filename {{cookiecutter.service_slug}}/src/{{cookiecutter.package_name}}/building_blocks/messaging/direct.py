@@ -14,7 +14,7 @@ from collections.abc import Callable
 from ..application.messages import IntegrationEvent
 from ..application.registry import MessageRegistry
 from ..domain.events import utc_now
-from ..kernel.request_context import capture
+from ..kernel.hops import capture
 from .bus import MessageBus
 from .envelope import Envelope
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from enum import StrEnum
 
 from ..kernel.context_values import (
     MAX_CORRELATION_ID_LENGTH,
@@ -57,28 +56,6 @@ LIMITS = {
     TRACEPARENT: 55,
     SIGNATURE: 200,
 }
-
-
-class Rejection(StrEnum):
-    """Why a message is dead-lettered without being processed (stable tags for metrics)."""
-
-    UNSIGNED = "unsigned"
-    BAD_SIGNATURE = "bad_signature"
-    MALFORMED_HEADER = "malformed_header"
-    OVERSIZED_HEADER = "oversized_header"
-    MALFORMED_BODY = "malformed_body"
-    UNKNOWN_EVENT = "unknown_event"
-    UNEXPECTED_EVENT = "unexpected_event"
-    STALE = "stale"  # older than the inbox remembers (see inbox/pipeline.py)
-
-
-class RejectedMessageError(ValueError):
-    """The message cannot be trusted or read; ``reason`` is a short stable tag."""
-
-    def __init__(self, reason: Rejection, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)

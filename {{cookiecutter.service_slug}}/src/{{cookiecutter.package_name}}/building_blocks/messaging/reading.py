@@ -26,9 +26,8 @@ from .envelope import (
     USER_ID,
     USER_ROLES,
     Envelope,
-    RejectedMessageError,
-    Rejection,
 )
+from .rejections import RejectedMessageError, Rejection
 from .signing import Signer
 
 

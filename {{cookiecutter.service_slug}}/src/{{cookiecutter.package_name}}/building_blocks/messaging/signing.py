@@ -8,7 +8,8 @@ import hmac
 import json
 from collections.abc import Mapping
 
-from .envelope import SIGNATURE, SIGNED_HEADERS, RejectedMessageError, Rejection
+from .envelope import SIGNATURE, SIGNED_HEADERS
+from .rejections import RejectedMessageError, Rejection
 
 
 def _canonical(headers: Mapping[str, str], body: bytes) -> bytes:

@@ -22,12 +22,12 @@ from ..persistence.audit_tables import DeadLetterReplay
 from ..persistence.database import Database
 from ..polling.wake import wake_replicas
 from .explain import explain_row
+from .replay import refuse_unless_replayable, return_to_pending
 from .requests import (
     EVERY_TENANT,
     MAX_OFFSET,
     MAX_PAGE,
     AdminError,
-    RowNotFoundError,
     TenantScope,
     one_source,
     parse_ids,
@@ -92,38 +92,9 @@ class RelayAdministration:
         table = one_source(source, "replay")
         wanted = parse_ids(ids)
         now = self._clock()
-        c = table.table.c
         async with self._db.session() as session:
-            rows = (
-                await session.exec(  # type: ignore[call-overload]
-                    sa.select(c.id, c.dead_lettered_on).where(c.id.in_(wanted), scope.admits(table.table))
-                )
-            ).all()
-            states = {row[0]: row[1] for row in rows}
-            unknown = [str(i) for i in wanted if i not in states]
-            if unknown:
-                msg = f"no {table.name} row has id {', '.join(unknown)}"
-                raise RowNotFoundError(msg)
-            alive = [str(i) for i in wanted if states[i] is None]
-            if alive:
-                msg = f"not dead-lettered (nothing to replay): {', '.join(alive)}"
-                raise AdminError(msg)
-            replayed = (
-                await session.exec(
-                    sa.update(table.table)
-                    .where(c.id.in_(wanted), c.dead_lettered_on.is_not(None), scope.admits(table.table))
-                    .values(
-                        dead_lettered_on=None,
-                        dead_letter_reason=None,
-                        retry_count=0,
-                        locked_until=None,
-                        lock_token=None,
-                        locked_by=None,
-                    )
-                    .returning(c.id)
-                )
-            ).all()
-            replayed_ids = sorted(str(row[0]) for row in replayed)
+            await refuse_unless_replayable(session, table, wanted, scope)
+            replayed_ids = await return_to_pending(session, table, wanted, scope)
             session.add(
                 DeadLetterReplay(
                     source=table.name,

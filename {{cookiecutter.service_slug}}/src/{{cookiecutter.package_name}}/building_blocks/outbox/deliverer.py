@@ -18,7 +18,7 @@ import uuid
 
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
-from ..kernel.request_context import restored
+from ..kernel.hops import restored
 from ..kernel.tracing import SpanKind
 from ..messaging.bus import MessageBus
 from ..messaging.circuit import CircuitBreaker

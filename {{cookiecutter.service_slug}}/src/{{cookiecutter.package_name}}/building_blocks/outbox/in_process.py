@@ -26,7 +26,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..application.handlers import HandlerRegistry, handler_name
+from ..application.handler_types import handler_name
+from ..application.handlers import HandlerRegistry
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
 from ..persistence.handler_scope import handler_scope

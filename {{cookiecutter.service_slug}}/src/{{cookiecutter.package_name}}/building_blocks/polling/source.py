@@ -18,7 +18,8 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 
 from ..kernel.clock import Clock
-from ..kernel.tracing import AttributeValue, NoTracing, Span, Tracing
+from ..kernel.no_tracing import NoTracing
+from ..kernel.tracing import AttributeValue, Span, Tracing
 from ..persistence.database import Database
 from ..persistence.failures import is_database_outage
 from .claim import Claimer

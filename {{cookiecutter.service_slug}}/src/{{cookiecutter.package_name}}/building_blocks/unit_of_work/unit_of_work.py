@@ -40,7 +40,7 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from ..application.messages import IntegrationEvent, InternalCommand
 from ..domain.aggregate import AggregateRoot
 from ..domain.events import DomainEvent
-from ..kernel.request_context import capture
+from ..kernel.hops import capture
 from ..persistence.audit_tables import InboxMessage
 from ..persistence.failures import is_transient
 from ..persistence.handler_scope import (
@@ -49,8 +49,9 @@ from ..persistence.handler_scope import (
     refuse_commit_in_handler,
     running_handler,
 )
-from ..polling.leases import LeaseLostError, LeaseStore
+from ..polling.leases import LeaseStore
 from . import savepoint as savepoints
+from .delivery_records import DeliveryRecords
 from .rows import Capture, WrittenRow
 from .shared import Shared
 
@@ -75,13 +76,6 @@ class Persister(Protocol):
     async def persist(self, aggregate: Any) -> int:  # noqa: ANN401 (the repository's aggregate)
         """Write the aggregate's state; return its new version."""
         ...
-
-
-@dataclass(frozen=True)
-class _Stamp:
-    store: LeaseStore
-    row_id: uuid.UUID
-    token: uuid.UUID
 
 
 @dataclass(frozen=True)
@@ -113,8 +107,7 @@ class SqlUnitOfWork:
         self._repositories: dict[type[Any], Any] = {}
         self._integration_events: list[IntegrationEvent] = []
         self._commands: list[tuple[InternalCommand, datetime | None]] = []
-        self._stamps: list[_Stamp] = []
-        self._inbox: list[InboxMessage] = []
+        self._records = DeliveryRecords()
         self.committed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -197,11 +190,11 @@ class SqlUnitOfWork:
 
     def stamp_processed_on_commit(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
         """Mark a delivered row processed in this transaction (dispatcher and processors)."""
-        self._stamps.append(_Stamp(store, row_id, token))
+        self._records.stamp(store, row_id, token)
 
     def stage_inbox(self, row: InboxMessage) -> None:
         """Record a consumed message in this transaction (the consume pipeline)."""
-        self._inbox.append(row)
+        self._records.inbox.append(row)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
@@ -220,8 +213,8 @@ class SqlUnitOfWork:
         return {
             "integration_events": self._integration_events,
             "commands": self._commands,
-            "stamps": self._stamps,
-            "inbox": self._inbox,
+            "stamps": self._records.stamps,
+            "inbox": self._records.inbox,
         }
 
     # -- the save --------------------------------------------------------------------------
@@ -239,7 +232,7 @@ class SqlUnitOfWork:
         captured = _Captured([(agg, repo, agg.pending_events) for agg, repo in self._tracked])
         new_versions = await self._persist_aggregates(captured)
         outbox, written = await self._write_rows(captured)
-        await self._apply_delivery_records()
+        await self._records.apply(self.session, self.now)
         await self.session.commit()
         self.committed = True
         for aggregate, _, aggregate_events in captured.aggregates:
@@ -266,17 +259,6 @@ class SqlUnitOfWork:
             now=self.now,
         )
         return outbox, await self._shared.writer.write(self.session, outbox)
-
-    async def _apply_delivery_records(self) -> None:
-        """The processed stamps (token-guarded: a lost lease rolls everything back) and the inbox
-        row of the delivery this unit of work belongs to, in the same transaction."""
-        for stamp in self._stamps:
-            connection = await self.session.connection()
-            if not await stamp.store.stamp_processed(connection, [stamp.row_id], stamp.token, self.now):
-                msg = f"lease on {stamp.store.table.name} row {stamp.row_id} was lost"
-                raise LeaseLostError(msg)
-        for row in self._inbox:
-            self.session.add(row)
 
     async def _after_commit(self, captured: _Captured, outbox: Capture, written: list[WrittenRow]) -> None:
         integration_events = list(self._integration_events)

@@ -22,8 +22,9 @@ from ..kernel.context_values import (
     validate_correlation_id,
     validate_traceparent,
 )
+from ..kernel.no_tracing import NoTracing
 from ..kernel.request_context import RequestContext, use_context
-from ..kernel.tracing import NoTracing, Span, SpanKind, Tracing
+from ..kernel.tracing import Span, SpanKind, Tracing
 from .auth import InvalidTokenError, TokenService
 
 log = logging.getLogger(__name__)

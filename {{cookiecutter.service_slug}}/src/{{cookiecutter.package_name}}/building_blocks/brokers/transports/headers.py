@@ -10,7 +10,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ...kernel.escaping import as_str, safe_text
-from ...messaging.envelope import LIMITS, MESSAGE_ID, RejectedMessageError, Rejection
+from ...messaging.envelope import LIMITS, MESSAGE_ID
+from ...messaging.rejections import RejectedMessageError, Rejection
 
 log = logging.getLogger(__name__)
 OWN_HEADER_PREFIXES = ("x-", "traceparent")

@@ -48,7 +48,7 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 
 from ....settings import MessageBusSettings
-from ...application.handlers import Consumer
+from ...application.handler_types import Consumer
 from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope

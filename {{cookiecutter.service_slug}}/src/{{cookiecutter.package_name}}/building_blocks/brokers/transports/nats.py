@@ -15,7 +15,6 @@ because two services can merge at the same moment.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +22,10 @@ from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats.errors import ConnectionClosedError, NoServersError
-from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from ....settings import MessageBusSettings
-from ...application.handlers import Consumer
+from ...application.handler_types import Consumer
 from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
@@ -34,13 +33,8 @@ from ..naming import EndpointNames
 from .base import FastStreamTransport
 from .headers import as_text, undecoded_body
 from .nats_delivery import ACK_WAIT_SECONDS, NatsDelivery
+from .nats_streams import durable_name, ensure_stream, refresh_consumer
 from .ports import DeadLetterCopy, DeliveryHandler
-
-DECLARE_ATTEMPTS = 5
-
-
-def _durable(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
 
 
 class NatsTransport(FastStreamTransport):
@@ -64,7 +58,7 @@ class NatsTransport(FastStreamTransport):
         @broker.subscriber(
             subject,
             stream=JStream(self._events, declare=False),
-            durable=_durable(self._names.queue(consumer.name)),
+            durable=durable_name(self._names.queue(consumer.name)),
             pull_sub=PullSub(batch_size=10, timeout=1.0),
             config=ConsumerConfig(
                 max_deliver=self._settings.max_delivery_attempts + 2,
@@ -81,60 +75,18 @@ class NatsTransport(FastStreamTransport):
                 )
             )
 
-    async def _ensure_stream(self, name: str, subjects: list[str]) -> None:
-        """Create the stream, or add our subjects to it; never drop anyone else's."""
-        js = self.broker.config.connection_state.stream
-        refusal: Exception | None = None
-        for _ in range(DECLARE_ATTEMPTS):
-            try:
-                info = await js.stream_info(name)
-            except NotFoundError:
-                try:
-                    await js.add_stream(name=name, subjects=subjects)
-                except BadRequestError as error:  # created meanwhile, or a subject taken elsewhere
-                    refusal = error
-                    continue
-                return
-            present = list(info.config.subjects or [])
-            if set(subjects) <= set(present):
-                return
-            info.config.subjects = sorted({*present, *subjects})
-            try:
-                await js.update_stream(config=info.config)
-            except BadRequestError as error:
-                refusal = error
-        msg = f"NATS stream {name} could not be given the subjects {subjects}: {refusal}"
-        raise RuntimeError(msg)
+    def _jetstream(self) -> Any:  # noqa: ANN401 (nats' JetStreamContext)
+        return self.broker.config.connection_state.stream
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         if self._subjects:
-            await self._ensure_stream(self._events, self._subjects)
-        await self._ensure_stream(self._dead_letters, [f"dlq.{self._names.queue('')}>"])
+            await ensure_stream(self._jetstream(), self._events, self._subjects)
+        await ensure_stream(self._jetstream(), self._dead_letters, [f"dlq.{self._names.queue('')}>"])
         for consumer in consumers:
-            await self._refresh_consumer(consumer)
-
-    async def _refresh_consumer(self, consumer: Consumer[Any]) -> None:
-        """Bring an existing durable consumer to the current settings.
-
-        FastStream creates a missing durable consumer but leaves an existing one as it was, so a
-        raised ``MAX_DELIVERY_ATTEMPTS`` would keep the old ``max_deliver``: JetStream would stop
-        redelivering before the wrapper dead-letters, and the message would sit unacknowledged
-        forever. ``max_deliver`` and ``ack_wait`` are editable on a live consumer."""
-        js = self.broker.config.connection_state.stream
-        durable = _durable(self._names.queue(consumer.name))
-        try:
-            info = await js.consumer_info(self._events, durable)
-        except NotFoundError:
-            return  # created with the current settings when it starts
-        wanted = {
-            "max_deliver": self._settings.max_delivery_attempts + 2,
-            "ack_wait": float(ACK_WAIT_SECONDS),
-        }
-        current = {"max_deliver": info.config.max_deliver, "ack_wait": info.config.ack_wait}
-        if current != wanted:
-            info.config.max_deliver = wanted["max_deliver"]
-            info.config.ack_wait = wanted["ack_wait"]
-            await js.add_consumer(self._events, config=info.config)
+            durable = durable_name(self._names.queue(consumer.name))
+            await refresh_consumer(
+                self._jetstream(), self._events, durable, self._settings.max_delivery_attempts
+            )
 
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # their durable consumers go with the stream

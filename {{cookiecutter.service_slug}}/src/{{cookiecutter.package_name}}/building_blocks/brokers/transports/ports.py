@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ...application.handlers import Consumer
+from ...application.handler_types import Consumer
 from ...messaging.envelope import Envelope
 
 

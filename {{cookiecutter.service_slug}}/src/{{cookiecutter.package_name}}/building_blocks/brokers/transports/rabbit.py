@@ -30,7 +30,7 @@ from faststream.rabbit.annotations import RabbitMessage
 from faststream.rabbit.schemas import Channel
 
 from ....settings import MessageBusSettings
-from ...application.handlers import Consumer
+from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames

@@ -8,7 +8,7 @@ from typing import Any
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.message import RabbitMessage as RabbitMessageType
 
-from ...messaging.envelope import RejectedMessageError, Rejection
+from ...messaging.rejections import RejectedMessageError, Rejection
 from .base import ReceivedMessage
 from .headers import broker_count, dead_letter_headers
 

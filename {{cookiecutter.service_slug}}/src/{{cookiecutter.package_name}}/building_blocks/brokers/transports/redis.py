@@ -46,7 +46,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ....settings import MessageBusSettings
-from ...application.handlers import Consumer
+from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
