@@ -1,4 +1,4 @@
-"""ADR-100 enablement rules and refused configurations."""
+"""Outbox and inbox enablement rules and refused configurations."""
 
 from pathlib import Path
 

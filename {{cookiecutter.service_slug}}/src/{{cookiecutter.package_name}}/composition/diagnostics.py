@@ -12,7 +12,7 @@ log = logging.getLogger(__name__)
 
 
 def warn_about_unsafe_configuration(settings: Settings, units: UnitOfWorkFactory) -> None:
-    """Warn about configurations that silently lose or duplicate messages (ADR-100, RCommon)."""
+    """Warn about configurations that silently lose or duplicate messages."""
     bus = settings.message_bus
     if units.outbox_enabled != bus.outbox_enabled or not isinstance(units.writer, RelayWriter):
         log.warning(

@@ -1,4 +1,4 @@
-"""The relay's knobs with the seed ADR's defaults (polling 2 s, processing delay 5 s, lease 300 s,
+"""The relay's knobs with their defaults (polling 2 s, processing delay 5 s, lease 300 s,
 five retries, backoff base 10 s, batch 50, retention 7 days), and the inbox's retention."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 
 
 class OutboxSettings(BaseModel):
-    """The delivery knobs of the seed ADR, with its defaults."""
+    """The delivery knobs of the outbox and the internal commands."""
 
     polling_interval_seconds: float = Field(default=2.0, gt=0)
     processing_delay_seconds: float = Field(default=5.0, ge=0)

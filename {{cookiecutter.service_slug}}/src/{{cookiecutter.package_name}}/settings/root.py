@@ -1,11 +1,11 @@
 """Every runtime knob, read from the environment (nested with ``__``, no prefix) and ``.env``.
 
-Defaults follow the seed ADR (polling 2 s, processing delay 5 s, lease 300 s, five retries,
+Defaults (polling 2 s, processing delay 5 s, lease 300 s, five retries,
 backoff base 10 s, batch 50, retention 7 days). The embedded default is a SQLite file and the
 in-process transport, so a fresh checkout runs with no server at all.
 
 ``MESSAGE_BUS__ENABLE_OUTBOX`` and ``MESSAGE_BUS__ENABLE_INBOX`` are tri-state: unset resolves ON
-for a broker transport and OFF for the in-process one (ADR-100). The resolved values are exposed
+for a broker transport and OFF for the in-process one. The resolved values are exposed
 as ``outbox_enabled`` / ``inbox_enabled``; code never reads the raw fields.
 """
 

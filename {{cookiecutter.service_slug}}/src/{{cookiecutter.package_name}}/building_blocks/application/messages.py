@@ -41,6 +41,6 @@ class IntegrationEvent(_ModelMessage):
 
 
 class InternalCommand(_ModelMessage):
-    """A deferred instruction to this service itself (ADR-114), run by its own processor."""
+    """A deferred instruction to this service itself, run by its own processor."""
 
     command_id: uuid.UUID = Field(default_factory=uuid.uuid4)

@@ -1,6 +1,7 @@
 """Consuming goes through one wrapper per message, whatever the transport, with a manual ack
-policy (FastStream's defaults drop or loop messages differently per broker, see
-``notes/dependency-pitfalls.md``):
+policy (FastStream's defaults drop or loop messages differently per broker: RabbitMQ, NATS and
+Redis reject a failed message, which JetStream never redelivers, and Kafka commits before the
+handler runs):
 
 * a message that cannot be trusted or read (bad/missing signature, malformed or oversized header,
   unknown event) is dead-lettered with the reason at once and never retried;

@@ -2,7 +2,7 @@
 
 Every name is prefixed with the application namespace (``APPLICATION__NAMESPACE``, the service
 slug when unset), so two applications sharing one broker never share a queue by accident
-(ADR revision 2026-09-07). ``MESSAGE_BUS__PRESERVE_DEFAULT_ENDPOINT_NAMES=true`` keeps the bare
+``MESSAGE_BUS__PRESERVE_DEFAULT_ENDPOINT_NAMES=true`` keeps the bare
 names (for a cutover from a service that used them).
 """
 

@@ -1,4 +1,4 @@
-"""Internal commands (ADR-114): deferred instructions to this service itself.
+"""Internal commands: deferred instructions to this service itself.
 
 ``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
 transaction, with the same context capture as an outbox row. The internal-command processor

@@ -13,8 +13,8 @@ together -> acknowledge.
   ``x-occurred-on`` is older than the retention is rejected as ``stale``: an inbox row is
   received no earlier than its message occurred, so every message younger than the retention
   still finds its row. This holds only if inbox retention exceeds how late a message can
-  legitimately arrive (outbox dead-letter retention plus the time to replay; see
-  docs/semantics.md). ``0`` keeps inbox rows for ever, so there is no limit.
+  legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
+  Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
 * A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
   primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip.
 * A handler failure rolls everything back, including the staged inbox row, so the redelivery is

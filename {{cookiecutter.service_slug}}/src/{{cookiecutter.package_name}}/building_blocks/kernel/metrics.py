@@ -1,7 +1,7 @@
 """Prometheus metrics of the relay: the polled tables (outbox, internal commands) and the inbox.
 
 All metrics live in a registry owned by the container (no process-global registry), exposed at
-``/metrics``. What to alert on is in docs/operations.md: a growing
+``/metrics``. What to alert on: a growing
 ``outbox_oldest_pending_age_seconds``, any ``outbox_dead_letters_total`` increase, and a
 ``outbox_processor_heartbeat_timestamp_seconds`` that stops moving. The metric names keep their
 ``outbox_`` prefix for both polled tables (``source`` tells them apart): dashboards and alerts

@@ -1,4 +1,4 @@
-"""Publishing integration events without the outbox (ADR-100: in-process transport, outbox off).
+"""Publishing integration events without the outbox (in-process transport, outbox off).
 
 A single-process host with the outbox off hands integration events straight to the bus right
 after its commit: best effort, with no row to retry from. Brokers never run this way: a broker

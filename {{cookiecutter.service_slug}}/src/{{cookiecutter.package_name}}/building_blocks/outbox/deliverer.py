@@ -5,7 +5,8 @@
   and their effects and the processed stamp commit together (see ``dispatch``). A local event
   with no handler on this host is stamped processed with a Warning, once per event name: the
   handler probably lives on another host, which must then run this processor instead
-  (``OUTBOX__IMMEDIATE_DISPATCH=false`` on producer-only hosts, RCommon's cross-host rule).
+  (``OUTBOX__IMMEDIATE_DISPATCH=false`` on producer-only hosts: a host that writes local events
+  it does not handle leaves them to the host that does).
 * Integration-event rows: published through the message bus behind the circuit breaker; the
   processed stamp is written only after the transport confirmed the publish.
 """

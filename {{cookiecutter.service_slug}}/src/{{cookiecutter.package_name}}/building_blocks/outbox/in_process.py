@@ -158,7 +158,7 @@ class LocalDispatcher:
         *,
         depth: int,
     ) -> None:
-        """Outbox off (in-process transport, ADR-100): dispatch directly, best effort."""
+        """Outbox off (in-process transport only): dispatch directly, best effort."""
         for event in events:
             if depth >= self._max_depth:
                 log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)

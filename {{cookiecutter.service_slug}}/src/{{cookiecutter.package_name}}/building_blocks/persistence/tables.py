@@ -96,7 +96,7 @@ class OutboxMessage(PolledColumns, table=True):
 
 
 class InternalCommand(PolledColumns, table=True):
-    """A deferred instruction, run by the internal-command processor when due (ADR-114)."""
+    """A deferred instruction, run by the internal-command processor when due."""
 
     __tablename__ = "internal_commands"
     __table_args__ = polled_table_args("internal_commands")

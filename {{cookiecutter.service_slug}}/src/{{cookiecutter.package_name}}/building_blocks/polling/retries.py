@@ -21,6 +21,7 @@ CASCADE_DEPTH_EXCEEDED = "cascade_depth_exceeded"
 
 
 def backoff_seconds(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
-    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap (ADR 2026-08-07)."""
+    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap
+    (so a capped wait lands exactly on the lease, and one outage's failures do not retry in step)."""
     exponent = min(max(attempt, 1) - 1, 62)
     return min(base * (2.0**exponent) * rng.uniform(0.8, 1.2), cap)

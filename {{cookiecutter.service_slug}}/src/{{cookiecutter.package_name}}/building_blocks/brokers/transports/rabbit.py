@@ -1,6 +1,6 @@
 """RabbitMQ: a topic exchange per namespace, a quorum queue per consumer, a TTL retry queue.
 
-Topology per consumer (declared at start-up, see ``notes/broker-redelivery.md``): the main
+Topology per consumer (declared at start-up): the main
 quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
 (``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``) dead-letters them back to the main queue; final
 failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
