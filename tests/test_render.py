@@ -120,6 +120,13 @@ def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: st
             assert path.read_text() == (project / path.relative_to(default)).read_text(), path
 
 
+def test_the_service_ships_the_architecture_page_of_the_template(bakes: dict[str, Path]) -> None:
+    """One page, two homes: the template's docs/architecture.md is what every service ships."""
+    template_page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    for project in bakes.values():
+        assert (project / "docs" / "architecture.md").read_text() == template_page
+
+
 def test_example_off_removes_the_example(bakes: dict[str, Path]) -> None:
     for relative in EXAMPLE_PATHS:
         assert (bakes["default"] / relative).exists(), relative
