@@ -34,7 +34,10 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
     applies,
 )
 from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import InboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
+)
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
     UnitOfWorkFactory,
 )

@@ -18,10 +18,8 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
-    Delivered,
-    SourceSettings,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )

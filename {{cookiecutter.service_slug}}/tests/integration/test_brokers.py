@@ -36,7 +36,9 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats imp
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
     TopologyMismatchError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import RedisDelivery
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
+    RedisDelivery,
+)
 from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
 from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import current_context

@@ -18,7 +18,10 @@ from sqlmodel import col, select
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
-from {{ cookiecutter.package_name }}.contexts.orders.tables import CustomerStatisticsRow, OrderSummaryRow
+from {{ cookiecutter.package_name }}.contexts.orders.tables import (
+    CustomerStatisticsRow,
+    OrderSummaryRow,
+)
 
 from ..conftest import fetch, live_server, token_for
 

@@ -21,10 +21,16 @@ from typing import Any
 import pytest
 
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import ReceivedMessage
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import NatsDelivery
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import (
+    NatsDelivery,
+)
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import DeadLetterCopy
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit_delivery import RabbitDelivery
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import RedisDelivery
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit_delivery import (
+    RabbitDelivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
+    RedisDelivery,
+)
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -29,7 +29,10 @@ from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import authenticated, units_of_work
+from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import (
+    authenticated,
+    units_of_work,
+)
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -18,7 +18,10 @@ from prometheus_client import generate_latest
 from sqlmodel import select
 
 from {{ cookiecutter.package_name }}.building_blocks.operations.requests import AdminError
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import DeadLetterReplay, InboxMessage
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+    DeadLetterReplay,
+    InboxMessage,
+)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     InternalCommand as InternalCommandRow,
@@ -27,9 +30,7 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import Clai
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
-    Delivered,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )

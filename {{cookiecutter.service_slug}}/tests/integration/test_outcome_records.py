@@ -19,9 +19,7 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
-    Delivered,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -19,9 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
-    CircuitOpenError,
-)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import CircuitOpenError
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -29,9 +27,7 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import Clai
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
-    Delivered,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,

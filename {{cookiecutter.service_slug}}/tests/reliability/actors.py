@@ -38,10 +38,8 @@ from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import Clai
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
-    Delivered,
-    SourceSettings,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )

@@ -19,9 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
-    CRASH_GUARD_ERROR,
-)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.consume import CRASH_GUARD_ERROR
 from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,

@@ -5,9 +5,9 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import CircuitBreaker
+from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import (
     BrokerUnavailableError,
-    CircuitBreaker,
     CircuitOpenError,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.retries import backoff_seconds

@@ -3,13 +3,19 @@
 import pytest
 
 from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values import (
-    MAX_ROLES_LENGTH,
     InvalidContextError,
-    flatten_roles,
     validate_correlation_id,
 )
 from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture, restored
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import RequestContext, current_context, use_context
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    RequestContext,
+    current_context,
+    use_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.roles import (
+    MAX_ROLES_LENGTH,
+    flatten_roles,
+)
 
 pytestmark = pytest.mark.unit
 

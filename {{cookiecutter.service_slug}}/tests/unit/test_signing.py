@@ -7,7 +7,11 @@ import pytest
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import SIGNATURE, TENANT_ID, Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import (
+    SIGNATURE,
+    TENANT_ID,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.reading import read_envelope
 from {{ cookiecutter.package_name }}.building_blocks.messaging.rejections import RejectedMessageError
 from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer

@@ -37,8 +37,14 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
 )
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.headers import undecoded_body
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import KafkaTransport
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import ATTEMPT, NOT_BEFORE, KafkaDelivery
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import KafkaTopologyError
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import (
+    ATTEMPT,
+    NOT_BEFORE,
+    KafkaDelivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import (
+    KafkaTopologyError,
+)
 from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
 from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer

@@ -17,14 +17,8 @@ from pydantic import BaseModel, Field
 
 from ..building_blocks.kernel.request_context import RequestContext
 from ..building_blocks.operations.admin import RelayAdministration
-from ..building_blocks.operations.requests import (
-    EVERY_TENANT,
-    MAX_OFFSET,
-    MAX_PAGE,
-    AdminError,
-    RowNotFoundError,
-    TenantScope,
-)
+from ..building_blocks.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
+from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
 from ..building_blocks.web.dependencies import require_role
 
 

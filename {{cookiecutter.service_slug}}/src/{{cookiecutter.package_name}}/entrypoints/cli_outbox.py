@@ -14,7 +14,8 @@ from datetime import datetime
 from typing import TypeVar
 
 from ..building_blocks.operations.admin import RelayAdministration
-from ..building_blocks.operations.requests import EVERY_TENANT, AdminError, TenantScope
+from ..building_blocks.operations.requests import AdminError
+from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
 from ..container import Container
 from .cli_errors import CliError
 

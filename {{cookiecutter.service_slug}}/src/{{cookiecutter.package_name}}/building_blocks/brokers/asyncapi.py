@@ -19,7 +19,7 @@ from ...settings import Settings
 from ..application.handlers import HandlerRegistry
 from ..application.messages import IntegrationEvent
 from ..application.registry import MessageRegistry
-from ..messaging.envelope import SIGNATURE, SIGNED_HEADERS
+from ..messaging.header_names import SIGNATURE, SIGNED_HEADERS
 from .naming import EndpointNames
 
 

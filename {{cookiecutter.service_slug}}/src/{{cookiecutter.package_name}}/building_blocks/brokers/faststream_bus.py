@@ -19,8 +19,8 @@ from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
-from ..messaging.circuit import BrokerUnavailableError
 from ..messaging.envelope import Envelope
+from ..messaging.outages import BrokerUnavailableError
 from ..messaging.signing import Signer
 from .consume import ConsumeWrapper
 from .naming import EndpointNames

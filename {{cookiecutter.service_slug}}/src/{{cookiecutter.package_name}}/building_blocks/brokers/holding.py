@@ -21,7 +21,7 @@ from typing import Any
 from ..application.handler_types import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
-from ..persistence.failures import is_database_outage
+from ..persistence.outages import is_database_outage
 from .transports.ports import Delivery
 
 log = logging.getLogger(__name__)

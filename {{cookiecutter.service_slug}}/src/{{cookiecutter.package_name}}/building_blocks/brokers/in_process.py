@@ -21,7 +21,7 @@ from ..application.registry import MessageRegistry, UnknownMessageError
 from ..inbox.pipeline import ConsumePipeline
 from ..messaging.envelope import Envelope
 from ..messaging.signing import Signer
-from ..persistence.failures import is_database_outage
+from ..persistence.outages import is_database_outage
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from ..persistence.handler_scope import handler_scope
 from ..persistence.tables import COMMAND_TABLE
 from ..polling.claimed import ClaimedRow
 from ..polling.leases import LeaseStore
-from ..polling.ports import Delivered
+from ..polling.results import Delivered
 from ..unit_of_work.factory import UnitOfWorkFactory
 
 COMMAND_AUTHENTICATION = "internal-command"

@@ -1,15 +1,11 @@
 """Context values from outside (a header, a token, a message) are validated, never cleaned: a
-correlation id of at most 64 safe characters, a W3C traceparent; roles flattened for storage
-within 512 characters."""
+correlation id of at most 64 safe characters, a W3C traceparent. Roles are in ``roles``."""
 
 from __future__ import annotations
 
 import re
 import secrets
 import uuid
-from collections.abc import Iterable
-
-MAX_ROLES_LENGTH = 512
 
 MAX_CORRELATION_ID_LENGTH = 64
 
@@ -53,23 +49,3 @@ def validate_traceparent(value: str | None) -> str | None:
         msg = "traceparent is not a W3C trace context (00-<32 hex>-<16 hex>-<2 hex>)"
         raise InvalidContextError(msg)
     return value
-
-
-def flatten_roles(roles: Iterable[str]) -> str | None:
-    """Comma-join roles, dropping whole roles that would cross the 512-character cap."""
-    kept: list[str] = []
-    length = 0
-    for role in roles:
-        cleaned = role.replace(",", "").strip()
-        if not cleaned:
-            continue
-        extra = len(cleaned) + (1 if kept else 0)
-        if length + extra > MAX_ROLES_LENGTH:
-            break
-        kept.append(cleaned)
-        length += extra
-    return ",".join(kept) or None
-
-
-def split_roles(flattened: str | None) -> tuple[str, ...]:
-    return tuple(r for r in (flattened or "").split(",") if r)

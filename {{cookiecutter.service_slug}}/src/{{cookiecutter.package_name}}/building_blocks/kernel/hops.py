@@ -8,8 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .context_values import flatten_roles, new_correlation_id, split_roles
+from .context_values import new_correlation_id
 from .request_context import CapturedContext, RequestContext, current_context, use_context
+from .roles import flatten_roles, split_roles
 
 
 def capture() -> CapturedContext:

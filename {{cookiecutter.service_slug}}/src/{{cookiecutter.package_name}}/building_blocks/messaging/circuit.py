@@ -18,20 +18,9 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from ..kernel.clock import Clock
-from ..polling.ports import PausedError
+from .outages import BrokerUnavailableError, CircuitOpenError
 
 T = TypeVar("T")
-
-
-class CircuitOpenError(PausedError):
-    """The broker is known to be down; the row is released until ``retry_at``, uncharged."""
-
-    def __init__(self, retry_at: datetime) -> None:
-        super().__init__(f"circuit open until {retry_at.isoformat()}", retry_at)
-
-
-class BrokerUnavailableError(ConnectionError):
-    """The broker could not be reached (raised by transports around their publish)."""
 
 
 class CircuitBreaker:

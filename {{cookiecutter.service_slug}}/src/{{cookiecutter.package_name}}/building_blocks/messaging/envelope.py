@@ -1,8 +1,6 @@
 """The wire form of an integration event and its signed context headers.
 
-Every message carries ``x-message-id`` (the outbox row id: the inbox deduplicates on it on every
-transport, Kafka included), ``x-event-name``, ``x-occurred-on``, ``x-tenant-id``, ``x-user-id``,
-``x-user-roles``, ``x-correlation-id``, W3C ``traceparent`` and ``x-context-signature``.
+The headers it travels with are named in ``header_names``.
 
 The signature is ``<key id>:<hex HMAC-SHA256>`` over a canonical encoding of those headers and
 the body, so a consumer can trust the tenant and user a message claims to run under: without
@@ -17,45 +15,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from ..kernel.context_values import (
-    MAX_CORRELATION_ID_LENGTH,
-    MAX_ROLES_LENGTH,
-    MAX_TENANT_LENGTH,
-    MAX_USER_LENGTH,
-)
 from ..kernel.request_context import CapturedContext
-
-MESSAGE_ID = "x-message-id"
-EVENT_NAME = "x-event-name"
-OCCURRED_ON = "x-occurred-on"
-TENANT_ID = "x-tenant-id"
-USER_ID = "x-user-id"
-USER_ROLES = "x-user-roles"
-CORRELATION_ID = "x-correlation-id"
-TRACEPARENT = "traceparent"
-SIGNATURE = "x-context-signature"
-SIGNED_HEADERS = (
-    MESSAGE_ID,
+from .header_names import (
+    CORRELATION_ID,
     EVENT_NAME,
+    MESSAGE_ID,
     OCCURRED_ON,
     TENANT_ID,
+    TRACEPARENT,
     USER_ID,
     USER_ROLES,
-    CORRELATION_ID,
-    TRACEPARENT,
 )
-IDENTIFIER_HEADERS = (MESSAGE_ID, EVENT_NAME, TENANT_ID, USER_ID, USER_ROLES)
-LIMITS = {
-    MESSAGE_ID: 128,
-    EVENT_NAME: 200,
-    OCCURRED_ON: 64,
-    TENANT_ID: MAX_TENANT_LENGTH,
-    USER_ID: MAX_USER_LENGTH,
-    USER_ROLES: MAX_ROLES_LENGTH,
-    CORRELATION_ID: MAX_CORRELATION_ID_LENGTH,
-    TRACEPARENT: 55,
-    SIGNATURE: 200,
-}
 
 
 @dataclass(frozen=True)

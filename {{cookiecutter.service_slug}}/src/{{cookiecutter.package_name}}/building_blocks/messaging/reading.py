@@ -14,7 +14,8 @@ from ..kernel.context_values import (
 )
 from ..kernel.request_context import CapturedContext
 from ..kernel.text import is_plain_identifier
-from .envelope import (
+from .envelope import Envelope
+from .header_names import (
     CORRELATION_ID,
     EVENT_NAME,
     IDENTIFIER_HEADERS,
@@ -25,7 +26,6 @@ from .envelope import (
     TRACEPARENT,
     USER_ID,
     USER_ROLES,
-    Envelope,
 )
 from .rejections import RejectedMessageError, Rejection
 from .signing import Signer

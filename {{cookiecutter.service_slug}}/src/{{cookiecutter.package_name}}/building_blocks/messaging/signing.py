@@ -8,7 +8,7 @@ import hmac
 import json
 from collections.abc import Mapping
 
-from .envelope import SIGNATURE, SIGNED_HEADERS
+from .header_names import SIGNATURE, SIGNED_HEADERS
 from .rejections import RejectedMessageError, Rejection
 
 

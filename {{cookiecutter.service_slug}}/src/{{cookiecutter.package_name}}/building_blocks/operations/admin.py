@@ -23,16 +23,8 @@ from ..persistence.database import Database
 from ..polling.wake import wake_replicas
 from .explain import explain_row
 from .replay import refuse_unless_replayable, return_to_pending
-from .requests import (
-    EVERY_TENANT,
-    MAX_OFFSET,
-    MAX_PAGE,
-    AdminError,
-    TenantScope,
-    one_source,
-    parse_ids,
-    sources_named,
-)
+from .requests import MAX_OFFSET, MAX_PAGE, AdminError, one_source, parse_ids, sources_named
+from .tenant_scope import EVERY_TENANT, TenantScope
 from .views import DeadLetter, Explanation, PendingCount, ReplayResult
 
 

@@ -12,7 +12,8 @@ import sqlalchemy as sa
 from ..kernel.clock import Clock
 from ..persistence.database import Database
 from ..polling.retries import PAUSED_PREFIX
-from .requests import EVERY_TENANT, RowNotFoundError, TenantScope, one_source, parse_ids
+from .requests import RowNotFoundError, one_source, parse_ids
+from .tenant_scope import EVERY_TENANT, TenantScope
 from .views import Explanation
 
 

@@ -14,7 +14,8 @@ import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ..persistence.tables import PolledTable
-from .requests import AdminError, RowNotFoundError, TenantScope
+from .requests import AdminError, RowNotFoundError
+from .tenant_scope import TenantScope
 
 
 async def refuse_unless_replayable(

@@ -1,19 +1,14 @@
 """What an operator's request may touch, and the mistakes it can make.
 
-Every operation works within a :class:`TenantScope`: the admin API passes the token's tenant
-(role ``outbox-admin``), so another tenant's row is exactly as unknown as a row that does not
-exist; the operator role and the CLI see every tenant, rows without a tenant included. A request
-an operator can fix (an unknown source or id, paging out of range) raises :class:`AdminError`
-with a readable message; an id that names no row raises :class:`RowNotFoundError` (404).
+A request an operator can fix (an unknown source or id, paging out of range) raises
+:class:`AdminError` with a readable message; an id that names no row raises
+:class:`RowNotFoundError` (404). Whose rows a request sees is its ``tenant_scope``.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-import sqlalchemy as sa
 
 from ..persistence.sources import UnknownSourceError, source_named
 from ..persistence.tables import POLLED_TABLES, PolledTable
@@ -22,23 +17,6 @@ MAX_PAGE = 500
 # Paging past this many dead letters by offset is not a use: filter by source, or replay first.
 # (Each source is read up to offset + limit rows, so the cap also bounds one request's work.)
 MAX_OFFSET = 10_000
-
-
-@dataclass(frozen=True)
-class TenantScope:
-    """The rows a caller may see and replay: one tenant's, or every row (``tenant_id`` None)."""
-
-    tenant_id: str | None
-
-    def admits(self, table: sa.Table) -> sa.ColumnElement[bool]:
-        """A WHERE clause (a row without a tenant is admitted by the every-tenant scope only)."""
-        return sa.true() if self.tenant_id is None else table.c.tenant_id == self.tenant_id
-
-    def sees(self, tenant_id: str | None) -> bool:
-        return self.tenant_id is None or tenant_id == self.tenant_id
-
-
-EVERY_TENANT = TenantScope(None)
 
 
 class AdminError(ValueError):

@@ -26,7 +26,7 @@ from ..messaging.circuit import CircuitBreaker
 from ..messaging.envelope import Envelope
 from ..persistence.tables import DOMAIN
 from ..polling.claimed import ClaimedRow
-from ..polling.ports import Delivered
+from ..polling.results import Delivered
 from .in_process import LocalDispatcher
 
 log = logging.getLogger(__name__)

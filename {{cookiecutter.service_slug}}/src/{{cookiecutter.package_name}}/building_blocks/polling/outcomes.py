@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from ..kernel.clock import Clock
 from ..kernel.text import describe
 from ..persistence.database import Database
-from ..persistence.failures import is_database_outage
+from ..persistence.outages import is_database_outage
 from .claimed import ClaimedRow
 from .failures import Failure, classify
 from .leases import LeaseStore

@@ -1,9 +1,7 @@
 """What the polling core asks of the tables it drains, as Protocols: it knows no outbox.
 
 The outbox and the internal-command processors differ only in their :class:`Deliverer`; the
-metrics come in as :class:`CycleMetrics`; a downstream that is known to be down (a broker
-behind an open circuit) says so by raising :class:`PausedError`, which releases the row until
-``retry_at`` without charging it a retry.
+metrics come in as :class:`CycleMetrics`. What a delivery can end in is in ``outcomes``.
 """
 
 from __future__ import annotations
@@ -11,26 +9,11 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from enum import Enum
 from typing import Protocol
 
 from ..kernel.tracing import SpanKind
 from .claimed import ClaimedRow
-
-
-class Delivered(Enum):
-    """How a successful delivery left the row."""
-
-    NEEDS_STAMP = "needs_stamp"  # e.g. a broker confirmed the publish
-    STAMPED = "stamped"  # the handler's unit of work stamped it in its own transaction
-
-
-class PausedError(RuntimeError):
-    """Not the row's fault: its downstream is down. Released until ``retry_at``, uncharged."""
-
-    def __init__(self, message: str, retry_at: datetime) -> None:
-        super().__init__(message)
-        self.retry_at = retry_at
+from .results import Delivered
 
 
 class Deliverer(Protocol):

@@ -21,13 +21,14 @@ from ..kernel.clock import Clock
 from ..kernel.no_tracing import NoTracing
 from ..kernel.tracing import AttributeValue, Span, Tracing
 from ..persistence.database import Database
-from ..persistence.failures import is_database_outage
+from ..persistence.outages import is_database_outage
 from .claim import Claimer
 from .claimed import ClaimedRow
 from .leases import LeaseLostError, LeaseStore
 from .loop import CycleResult
 from .outcomes import Outcomes
-from .ports import CycleMetrics, Delivered, Deliverer, PausedError, SourceSettings
+from .ports import CycleMetrics, Deliverer, SourceSettings
+from .results import Delivered, PausedError
 from .shutdown import CycleShutdown
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ...kernel.escaping import as_str, safe_text
-from ...messaging.envelope import LIMITS, MESSAGE_ID
+from ...messaging.header_names import LIMITS, MESSAGE_ID
 from ...messaging.rejections import RejectedMessageError, Rejection
 
 log = logging.getLogger(__name__)
