@@ -33,8 +33,8 @@ REMOVALS: tuple[tuple[str, object, tuple[str, ...]], ...] = (
         "include_example",
         False,
         (
-            f"{PACKAGE}/orders",
-            f"{PACKAGE}/notifications",
+            f"{PACKAGE}/contexts/orders",
+            f"{PACKAGE}/contexts/notifications",
             f"{PACKAGE}/contracts/orders.py",
             "migrations/versions/*_example_contexts.py",
             "tests/*/test_example_*.py",

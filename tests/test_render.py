@@ -16,8 +16,8 @@ from .support import check, install, load_answer_rules, text_files
 pytestmark = pytest.mark.render
 LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
 EXAMPLE_PATHS = (
-    "src/order_service/orders",
-    "src/order_service/notifications",
+    "src/order_service/contexts/orders",
+    "src/order_service/contexts/notifications",
     "src/order_service/contracts/orders.py",
     "migrations/versions/0002_example_contexts.py",
 )
@@ -118,6 +118,13 @@ def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: st
     for path in (default / "src").rglob("*.py"):  # same slug: the broker variants keep the name
         if path.name != "about.py":
             assert path.read_text() == (project / path.relative_to(default)).read_text(), path
+
+
+def test_the_service_ships_the_architecture_page_of_the_template(bakes: dict[str, Path]) -> None:
+    """One page, two homes: the template's docs/architecture.md is what every service ships."""
+    template_page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
+    for project in bakes.values():
+        assert (project / "docs" / "architecture.md").read_text() == template_page
 
 
 def test_example_off_removes_the_example(bakes: dict[str, Path]) -> None:

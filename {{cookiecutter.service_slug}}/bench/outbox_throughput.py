@@ -27,14 +27,14 @@ from typing import Any
 
 from faststream import AckPolicy
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     RequestContext,
     use_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     UnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (

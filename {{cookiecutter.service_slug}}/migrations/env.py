@@ -12,10 +12,8 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-import {{ cookiecutter.package_name }}.building_blocks.persistence.models  # noqa: F401 (registers tables)
-from {{ cookiecutter.package_name }}.container import (
-    build_modules,
-)
+import {{ cookiecutter.package_name }}.building_blocks.persistence.tables  # noqa: F401 (registers tables)
+from {{ cookiecutter.package_name }}.composition.modules import build_modules
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )

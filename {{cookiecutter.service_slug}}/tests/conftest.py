@@ -35,7 +35,7 @@ from fastapi import APIRouter
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     RequestContext,
     use_context,
 )

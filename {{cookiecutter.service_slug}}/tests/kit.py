@@ -12,23 +12,23 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
-    current_context,
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+    InternalCommand,
 )
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     AggregateRoot,
     DomainEvent,
     applies,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-    InternalCommand,
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    current_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.repository import (
     Repository,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -153,7 +153,7 @@ class SqlCounters(Repository[Counter]):
         return await self._versioned_update(COUNTERS, aggregate, {"value": aggregate.value})
 
 
-async def record_effect(uow: UnitOfWork, label: str) -> None:
+async def record_effect(uow: SqlUnitOfWork, label: str) -> None:
     """What a handler's state change looks like here: a row in the handler's transaction."""
     await uow.session.exec(  # type: ignore[call-overload]
         sa.insert(EFFECTS).values(label=label, tenant_id=current_context().tenant_id)
@@ -165,7 +165,7 @@ async def effects(session: AsyncSession) -> list[str]:
     return [row[0] for row in rows]
 
 
-Handler = Callable[[Any, UnitOfWork], Awaitable[None]]
+Handler = Callable[[Any, SqlUnitOfWork], Awaitable[None]]
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Kit:
         self.container.handlers().on_domain_event(event_type, handler)
 
     def recording(self, label: str) -> Handler:
-        async def handler(event: Any, uow: UnitOfWork) -> None:
+        async def handler(event: Any, uow: SqlUnitOfWork) -> None:
             self.seen.append((label, event))
             await record_effect(uow, f"{label}:{event.message_name}")
 

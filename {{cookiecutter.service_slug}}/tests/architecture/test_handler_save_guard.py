@@ -22,35 +22,31 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import handler_name
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+    InternalCommand,
+)
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     AggregateRoot,
     DomainEvent,
     Message,
     applies,
 )
-from {{ cookiecutter.package_name }}.building_blocks.handlers import (
-    handler_name,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-    InternalCommand,
-)
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import InboxMessage
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
-    InboxMessage,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
+    UnitOfWorkFactory,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.repository import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.repository import (
     Repository,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     HandlerMustNotSaveError,
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work_factory import (
-    UnitOfWorkFactory,
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -104,7 +100,7 @@ class CommitsItsUnitOfWork:
     def __init__(self) -> None:
         self.errors: list[Exception] = []
 
-    async def __call__(self, _message: Message, uow: UnitOfWork) -> None:
+    async def __call__(self, _message: Message, uow: SqlUnitOfWork) -> None:
         try:
             await uow.commit()
         except Exception as error:
@@ -119,7 +115,7 @@ class OpensASecondUnitOfWork:
         self.units = units
         self.errors: list[Exception] = []
 
-    async def __call__(self, message: Message, _uow: UnitOfWork) -> None:
+    async def __call__(self, message: Message, _uow: SqlUnitOfWork) -> None:
         try:
             async with self.units() as other:
                 other.enqueue(ProbeAnnounced(note=f"side effect of {type(message).__name__}"))
@@ -136,7 +132,7 @@ class WritesThroughTheEngine:
         self.container = container
         self.errors: list[Exception] = []
 
-    async def __call__(self, message: Message, _uow: UnitOfWork) -> None:
+    async def __call__(self, message: Message, _uow: SqlUnitOfWork) -> None:
         try:
             async with self.container.database().engine.begin() as connection:
                 await connection.execute(
@@ -153,7 +149,7 @@ class OnlyEnqueues:
     def __init__(self) -> None:
         self.calls = 0
 
-    async def __call__(self, message: Message, uow: UnitOfWork) -> None:
+    async def __call__(self, message: Message, uow: SqlUnitOfWork) -> None:
         self.calls += 1
         uow.enqueue(ProbeAnnounced(note=type(message).__name__))
 

@@ -12,35 +12,32 @@ from pathlib import Path
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.module import (
+from {{ cookiecutter.package_name }}.building_blocks.application.module import (
     collect_adapters,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.container import (
-    build_handlers,
-    build_modules,
-)
+from {{ cookiecutter.package_name }}.composition.modules import build_handlers, build_modules
 
 from .fixtures.save_fixtures import registry as fixtures
 from .save_rule import DEFAULT_DEPTH, DEFAULT_SINKS, Report, SaveRule, SinkSpec, Violation
 
 pytestmark = pytest.mark.architecture
 
-PACKAGE = UnitOfWork.__module__.partition(".")[0]
+PACKAGE = SqlUnitOfWork.__module__.partition(".")[0]
 
 # Accepted exceptions: dotted name (handler, function, class, module) -> why the write is fine.
 # The walk stops at the name, and the report prints the reason.
 ALLOWLIST: dict[str, str] = {
-    f"{UnitOfWork.__module__}.UnitOfWork.savepoint": (
+    f"{SqlUnitOfWork.__module__}.SqlUnitOfWork.savepoint": (
         "a savepoint (SAVEPOINT ... RELEASE) commits nothing: the dispatching unit of work still "
         "decides, with the delivery record"
     ),
 }
 # What counts as a save: SQLAlchemy/SQLModel commit, flush and begin (DEFAULT_SINKS), the unit
 # of work's commit, and anything you add (a dotted name, or a (type, method) pair).
-SINKS: tuple[SinkSpec, ...] = (*DEFAULT_SINKS, (UnitOfWork, "commit"))
+SINKS: tuple[SinkSpec, ...] = (*DEFAULT_SINKS, (SqlUnitOfWork, "commit"))
 
 
 def service_rule() -> SaveRule:
@@ -80,7 +77,7 @@ ALL_FIXTURE_HANDLERS = 20
 
 # handler -> the hops after it, each a fragment of the hop's name, ending with the save.
 SAVES: dict[str, tuple[str, ...]] = {
-    "commits_the_unit_of_work": ("UnitOfWork.commit",),
+    "commits_the_unit_of_work": ("SqlUnitOfWork.commit",),
     "commits_the_session": ("AsyncSession.commit",),
     "flushes_through_a_helper": ("helpers.flush_everything", "AsyncSession.flush"),
     "RecordsAudit.__call__": ("SqlAuditRepository.append", "AsyncSession.flush"),
@@ -90,12 +87,12 @@ SAVES: dict[str, tuple[str, ...]] = {
         "SqlPaymentGateway._record",
         "AsyncSession.commit",
     ),
-    "posts_through_the_adapters_map": ("infrastructure.SqlLedger.post", "UnitOfWork.commit"),
-    "commits_in_a_lambda": ("commits_in_a_lambda.<locals>.<lambda>", "UnitOfWork.commit"),
-    "commits_in_a_nested_function": ("commits_in_a_nested_function.<locals>.persist", "UnitOfWork.commit"),
+    "posts_through_the_adapters_map": ("infrastructure.SqlLedger.post", "SqlUnitOfWork.commit"),
+    "commits_in_a_lambda": ("commits_in_a_lambda.<locals>.<lambda>", "SqlUnitOfWork.commit"),
+    "commits_in_a_nested_function": ("commits_in_a_nested_function.<locals>.persist", "SqlUnitOfWork.commit"),
     "flushes_through_a_partial": ("helpers.flush_everything", "AsyncSession.flush"),
     "commits_an_untyped_receiver": ("?.commit",),
-    "OpensItsOwnUnitOfWork.__call__": ("UnitOfWork.commit",),
+    "OpensItsOwnUnitOfWork.__call__": ("SqlUnitOfWork.commit",),
     "writes_in_its_own_session_transaction": ("AsyncSession.begin",),
     "WritesThroughTheEngine.__call__": ("AsyncEngine.begin",),
     "CommitsAConnection.__call__": ("AsyncConnection.commit",),

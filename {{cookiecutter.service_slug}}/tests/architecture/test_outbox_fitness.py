@@ -1,6 +1,6 @@
 """Fitness rules of the outbox and the inbox, checked over the service's source.
 
-* Only the outbox processor publishes: no code outside ``building_blocks/outbox/processor.py``,
+* Only the outbox processor publishes: no code outside ``building_blocks/outbox/deliverer.py``,
   the buses it publishes through and the transports themselves (dead-letter copies included;
   ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
   only the transports import a broker client library, so every integration event leaves
@@ -11,7 +11,7 @@
   purpose, and a listed name that is neither declared nor upcast any more (a rename, a deleted
   class) fails, because stored rows and other services' consumers still carry it.
 * Every consumer goes through the inbox pipeline: only the transports subscribe to a broker, each
-  subscription's handler is the FastStream bus's ``_make_handler`` wrapper, both buses reach
+  subscription's handler is the consume wrapper's ``handler_for``, both buses reach
   ``ConsumePipeline.consume``, and only the pipeline calls a consumer's handler.
 * Every event that declares an ordering key (``ordered=True``) is an aggregate's event. The
   ordering key is the ``aggregate_id``, so: a domain event with ``ordered=True`` is constructed
@@ -36,6 +36,18 @@ from typing import Any, TypeGuard, cast
 
 import pytest
 
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+    MessageRegistry,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.consume import (
+    ConsumeWrapper,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.in_process import (
+    InProcessBus,
+)
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     AggregateRoot,
     DomainEvent,
@@ -44,23 +56,8 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
 from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
     ConsumePipeline,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
-    FastStreamBus,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.inprocess import (
-    InProcessBus,
-)
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
-    MessageRegistry,
-)
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_modules,
-    build_registry,
-)
+from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
+from {{ cookiecutter.package_name }}.container import Container
 
 from .callgraph import (
     CallGraph,
@@ -80,11 +77,11 @@ PUBLISH = frozenset({"publish", "publish_batch"})
 SUBSCRIBE = frozenset({"subscriber", "subscribe"})
 # Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
 MAY_PUBLISH = (
-    "building_blocks/outbox/processor.py",  # the outbox processor: the one publisher
+    "building_blocks/outbox/deliverer.py",  # the outbox processor's deliverer: the one publisher
     "building_blocks/messaging/bus.py",  # the MessageBus port declares it
-    "building_blocks/messaging/faststream_bus.py",  # the bus the processor publishes through
-    "building_blocks/messaging/inprocess.py",  # the in-process bus
-    "building_blocks/messaging/transports/",  # broker adapters, their retry and dead-letter copies
+    "building_blocks/brokers/faststream_bus.py",  # the bus the processor publishes through
+    "building_blocks/brokers/in_process.py",  # the in-process bus
+    "building_blocks/brokers/transports/",  # broker adapters, their retry and dead-letter copies
     "building_blocks/messaging/direct.py",  # outbox off, in-process only (brokers refuse it)
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
@@ -92,8 +89,8 @@ MAY_PUBLISH = (
 BROKER_CLIENTS = frozenset(
     {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
 )
-MAY_IMPORT_BROKER_CLIENTS = ("building_blocks/messaging/transports/",)
-MAY_SUBSCRIBE = ("building_blocks/messaging/",)
+MAY_IMPORT_BROKER_CLIENTS = ("building_blocks/brokers/transports/",)
+MAY_SUBSCRIBE = ("building_blocks/brokers/",)
 CALLS_CONSUMER_HANDLERS = ("building_blocks/inbox/pipeline.py",)
 
 
@@ -227,8 +224,8 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
     files = {
         "__init__.py": "",
         "building_blocks/__init__.py": "",
-        "building_blocks/messaging/__init__.py": "",
-        "building_blocks/messaging/transports/__init__.py": "import aio_pika\n",
+        "building_blocks/brokers/__init__.py": "",
+        "building_blocks/brokers/transports/__init__.py": "import aio_pika\n",
         "billing/__init__.py": "",
         "billing/application.py": (
             "import redis.asyncio\n"
@@ -255,7 +252,7 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
 def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> None:
     publishers = {site.path for site in attribute_sites(graph, PUBLISH, called=True)}
 
-    assert "building_blocks/outbox/processor.py" in publishers
+    assert "building_blocks/outbox/deliverer.py" in publishers
 
 
 # -- integration events: stable, versioned, unique names --------------------------------------
@@ -329,7 +326,7 @@ def test_message_names_match_the_golden_list() -> None:
         stranded,
         "Pinned names no class declares and no upcaster reads any more: stored rows and other "
         "services' consumers still carry them. Restore the class, or add the new version with "
-        "an upcaster from the old name (docs/extending.md, versioning)",
+        "an upcaster from the old name (Module.upcasters)",
     )
 
 
@@ -397,13 +394,13 @@ def test_every_subscription_is_wrapped_by_the_consume_pipeline(graph: CallGraph)
         str(site)
         for site, call in subscribed
         if not any(
-            isinstance(a, ast.Call) and ast.unparse(a.func).endswith("._make_handler") for a in call.args
+            isinstance(a, ast.Call) and ast.unparse(a.func).endswith(".handler_for") for a in call.args
         )
     ]
 
     assert subscribed
-    assert_none(unwrapped, "Every broker subscription must run through FastStreamBus._make_handler")
-    assert reaches(graph, method(graph, FastStreamBus, "_make_handler"), consume)
+    assert_none(unwrapped, "Every broker subscription must run through ConsumeWrapper.handler_for")
+    assert reaches(graph, method(graph, ConsumeWrapper, "handler_for"), consume)
     assert reaches(graph, method(graph, InProcessBus, "publish"), consume)
 
 

@@ -10,22 +10,21 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+    SpanKind,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    Delivered,
-    SourceSettings,
     TableSource,
 )
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    source_settings,
-)
+from {{ cookiecutter.package_name }}.composition.relay import source_settings
+from {{ cookiecutter.package_name }}.container import Container
 
 from ..conftest import FakeClock
 
@@ -36,6 +35,10 @@ class ScriptedDeliverer:
 
     script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
     delivered: list[ClaimedRow] = field(default_factory=list)
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         del token

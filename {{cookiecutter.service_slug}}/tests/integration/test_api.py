@@ -8,17 +8,15 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+)
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     ConcurrencyError,
     DomainError,
     NotFoundError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.web import (
-    install_error_handlers,
-)
+from {{ cookiecutter.package_name }}.building_blocks.web.errors import install_error_handlers
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -21,37 +21,31 @@ from typing import Any
 import pytest
 from sqlalchemy.engine import make_url
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
-    capture,
-    current_context,
-)
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
-    current_delivery,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
-    Envelope,
-    Signer,
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+    MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats import (
     NatsTransport,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.rabbit import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
     TopologyMismatchError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
     RedisDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
-    MessageRegistry,
+from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import current_context
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -79,7 +73,7 @@ class Observer:
     seen: list[dict[str, Any]] = field(default_factory=list)
     takes_seconds: float = 0.0
 
-    async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         context = current_context()
         self.seen.append(
             {

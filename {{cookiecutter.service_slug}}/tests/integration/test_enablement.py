@@ -1,4 +1,4 @@
-"""ADR-100 enablement at start-up: refused combinations, warnings, and the processors that run."""
+"""Outbox and inbox enablement at start-up: refused combinations, warnings, and the processors that run."""
 
 from __future__ import annotations
 

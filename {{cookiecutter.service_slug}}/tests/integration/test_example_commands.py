@@ -15,9 +15,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.container import (
-    build_tokens,
-)
+from {{ cookiecutter.package_name }}.composition.edges import build_tokens
 
 from ..conftest import free_port, make_settings
 

@@ -18,7 +18,7 @@ from sqlmodel import col, select
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
-from {{ cookiecutter.package_name }}.orders.infrastructure import (
+from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     CustomerStatisticsRow,
     OrderSummaryRow,
 )

@@ -20,17 +20,15 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
-    DeadLetterCopy,
-    ReceivedMessage,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.nats import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import ReceivedMessage
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import (
     NatsDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.rabbit import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import DeadLetterCopy
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit_delivery import (
     RabbitDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.redis import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
     RedisDelivery,
 )
 from {{ cookiecutter.package_name }}.container import (

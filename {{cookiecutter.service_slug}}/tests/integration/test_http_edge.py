@@ -20,16 +20,16 @@ import pytest
 from fastapi import APIRouter, Depends, status
 from pydantic import BaseModel, Field
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     RequestContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work_factory import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
     UnitOfWorkFactory,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web import (
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import (
     authenticated,
     units_of_work,
 )
@@ -51,7 +51,7 @@ class ProbeIn(BaseModel):
 
 
 async def store(units: UnitOfWorkFactory, label: str) -> dict[str, str]:
-    async def operation(uow: UnitOfWork) -> None:
+    async def operation(uow: SqlUnitOfWork) -> None:
         await record_effect(uow, label)
 
     await units().run(operation)

@@ -20,14 +20,14 @@ import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     Claimer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -61,7 +61,7 @@ async def test_a_row_another_replica_took_during_an_earlier_handler_is_not_deliv
     replica = uuid.uuid4()
     ran: list[str] = []
 
-    async def slow_first_handler(event: Noted, uow: UnitOfWork) -> None:
+    async def slow_first_handler(event: Noted, uow: SqlUnitOfWork) -> None:
         ran.append(event.text)
         if event.text != "first":
             return
@@ -104,7 +104,7 @@ async def test_a_row_is_renewed_just_before_its_in_process_delivery(make_contain
     kit = await install_kit(container)
     leases: dict[str, Any] = {}
 
-    async def note_handler(event: Noted, uow: UnitOfWork) -> None:
+    async def note_handler(event: Noted, uow: SqlUnitOfWork) -> None:
         (mine,) = [r for r in await outbox(container) if r.payload.get("text") == event.text]
         leases[event.text] = mine.locked_until
         clock.advance(40)  # each handler takes 40 s of the 60 s lease
@@ -143,7 +143,7 @@ async def test_a_row_released_in_process_wakes_a_worker_in_another_process(postg
         worker_kit.on(Created, worker_kit.recording("worker"))
         api_kit = await install_kit(api_side, create_tables=False)
 
-        async def fails_in_the_api(event: Created, uow: UnitOfWork) -> None:
+        async def fails_in_the_api(event: Created, uow: SqlUnitOfWork) -> None:
             msg = "the API's attempt fails"
             raise RuntimeError(msg)
 
@@ -190,13 +190,13 @@ async def test_cascaded_rows_are_released_when_the_processor_shuts_down(containe
     kit: Kit = await install_kit(container)
     cascade_running = asyncio.Event()
 
-    async def cascades(event: Created, uow: UnitOfWork) -> None:
+    async def cascades(event: Created, uow: SqlUnitOfWork) -> None:
         if event.aggregate_id == "parent":
             child = Counter.create("acme", "child")
             child.note("blocks")
             uow.repository(Counters).add(child)
 
-    async def blocks(event: Noted, uow: UnitOfWork) -> None:
+    async def blocks(event: Noted, uow: SqlUnitOfWork) -> None:
         cascade_running.set()
         await asyncio.Event().wait()  # interrupted by the shutdown
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.exc import DBAPIError
 
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -21,14 +21,14 @@ pytestmark = pytest.mark.integration
 PAYLOAD = {"counter_id": "c-1", "value": 1}
 
 
-async def database_drops(event: CounterChangedV1, uow: UnitOfWork) -> None:
+async def database_drops(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
     del event, uow
     raise DBAPIError(
         "COMMIT", {}, ConnectionResetError("server closed the connection"), connection_invalidated=True
     )
 
 
-async def fails_on_its_own(event: CounterChangedV1, uow: UnitOfWork) -> None:
+async def fails_on_its_own(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
     del event, uow
     msg = "a genuine consumer failure"
     raise RuntimeError(msg)

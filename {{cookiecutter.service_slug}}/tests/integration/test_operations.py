@@ -17,30 +17,22 @@ import sqlalchemy as sa
 from prometheus_client import generate_latest
 from sqlmodel import select
 
-from {{ cookiecutter.package_name }}.building_blocks.commands import (
-    COMMAND_TABLE,
-)
-from {{ cookiecutter.package_name }}.building_blocks.outbox.admin import (
-    AdminError,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+from {{ cookiecutter.package_name }}.building_blocks.operations.requests import AdminError
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
     DeadLetterReplay,
     InboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     InternalCommand as InternalCommandRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    Delivered,
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -335,8 +327,8 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     kit = await install_kit(container)
     seen: list[tuple[str | None, str]] = []
 
-    async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import (
+    async def run_command(command: RecordEffect, uow: SqlUnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
             current_context,
         )
 
@@ -362,7 +354,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
     await install_kit(container)
     ran_at: list[float] = []
 
-    async def run_command(command: RecordEffect, uow: UnitOfWork) -> None:
+    async def run_command(command: RecordEffect, uow: SqlUnitOfWork) -> None:
         ran_at.append(time.monotonic())
         await record_effect(uow, command.label)
 
@@ -391,7 +383,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
 async def test_a_failing_internal_command_backs_off_like_the_outbox(container: Container) -> None:
     await install_kit(container)
 
-    async def broken(command: RecordEffect, uow: UnitOfWork) -> None:
+    async def broken(command: RecordEffect, uow: SqlUnitOfWork) -> None:
         await record_effect(uow, "never kept")
         raise RuntimeError("command failed")
 
@@ -416,7 +408,7 @@ async def test_a_command_that_keeps_failing_is_dead_lettered_after_exactly_max_r
     await install_kit(container)
     runs: list[str] = []
 
-    async def broken(command: RecordEffect, uow: UnitOfWork) -> None:
+    async def broken(command: RecordEffect, uow: SqlUnitOfWork) -> None:
         del uow
         runs.append(command.label)
         msg = "the mail server refused it"

@@ -15,15 +15,11 @@ from typing import Any
 import pytest
 from sqlalchemy.exc import DataError
 
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    Delivered,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -19,19 +19,15 @@ from sqlalchemy.exc import DBAPIError
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import CircuitOpenError
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    CircuitOpenError,
-    Delivered,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
@@ -174,7 +170,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+            from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
                 OUTBOX_TABLE,
             )
 
@@ -662,7 +658,7 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     seen: list[tuple[str | None, str | None, str | None]] = []
 
     async def who(event: Created, uow: Any) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import (
+        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
             current_context,
         )
 

@@ -22,23 +22,20 @@ import sqlalchemy as sa
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.listener import PostgresListener
+from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
     notify_channel,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
-    PostgresListener,
-    WakeSignal,
-)
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_listener,
-    build_modules,
-    build_registry,
-)
+from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
+from {{ cookiecutter.package_name }}.composition.relay import build_listener
+from {{ cookiecutter.package_name }}.container import Container
 
 from ..conftest import FakeClock, acting_as, eventually, fetch
 from ..kit import Counter, Counters, Created, install_kit

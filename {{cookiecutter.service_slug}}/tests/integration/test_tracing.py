@@ -14,14 +14,12 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     current_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.telemetry import (
-    OpenTelemetryTracing,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -76,7 +74,7 @@ async def test_one_trace_runs_from_the_caller_through_the_outbox_to_the_consumer
     await install_kit(container)
     seen: list[str | None] = []
 
-    async def observe(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def observe(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
         seen.append(current_context().traceparent)
 
@@ -112,7 +110,7 @@ async def test_a_failed_delivery_is_a_failed_span(
     container = traced(make_container, exporter)
     await install_kit(container)
 
-    async def refuse(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def refuse(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
         msg = "the consumer is down"
         raise RuntimeError(msg)

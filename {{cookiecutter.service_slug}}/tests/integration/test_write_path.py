@@ -25,23 +25,23 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainError,
     NotFoundError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
-    OUTBOX_TABLE,
-    OutboxWriter,
-)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.database import (
     Database,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.models import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
     InternalCommand,
     OutboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    HandlerMustNotSaveError,
-    UnitOfWork,
-)
 from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
     Claimer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+    RelayWriter,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    HandlerMustNotSaveError,
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -140,7 +140,7 @@ async def test_rollback_leaves_nothing_behind(kit: Kit) -> None:
     assert await fetch(kit.container, select(InternalCommand)) == []
 
 
-class FailOnceAfterInserting(OutboxWriter):
+class FailOnceAfterInserting(RelayWriter):
     """Writes the rows, then fails like a serialization failure (the transaction rolls back)."""
 
     failures = 0
@@ -162,7 +162,7 @@ async def test_a_retried_operation_writes_exactly_one_row_per_event(kit: Kit) ->
     counter.increment()
     attempts = 0
 
-    async def operation(uow: UnitOfWork) -> None:
+    async def operation(uow: SqlUnitOfWork) -> None:
         nonlocal attempts
         attempts += 1
         uow.repository(Counters).add(counter)
@@ -180,7 +180,7 @@ async def test_commit_removes_exactly_the_captured_events(kit: Kit) -> None:
     units = kit.container.units_of_work()
     counter = Counter.create("acme")
 
-    class RaisesDuringCommit(OutboxWriter):
+    class RaisesDuringCommit(RelayWriter):
         async def write(self, session: Any, capture: Any) -> Any:
             counter.increment()  # a handler raising on the same aggregate mid-save
             return await super().write(session, capture)
@@ -216,7 +216,7 @@ async def test_context_is_captured_on_every_row_and_roles_are_capped(kit: Kit) -
 async def test_local_rows_are_leased_at_insert_and_integration_rows_are_not(kit: Kit) -> None:
     observed: list[Any] = []
 
-    async def peek(event: Created, uow: UnitOfWork) -> None:
+    async def peek(event: Created, uow: SqlUnitOfWork) -> None:
         observed.extend(await outbox(kit.container))  # another session, while dispatching
 
     kit.on(Created, peek)
@@ -247,7 +247,7 @@ async def test_handler_effects_and_processed_stamp_commit_together(kit: Kit) -> 
 
 
 async def test_a_failed_dispatch_releases_the_lease_and_keeps_no_effect(kit: Kit) -> None:
-    async def fails_after_an_effect(event: Created, uow: UnitOfWork) -> None:
+    async def fails_after_an_effect(event: Created, uow: SqlUnitOfWork) -> None:
         await kit.recording("partial")(event, uow)
         msg = "handler exploded"
         raise RuntimeError(msg)
@@ -272,11 +272,11 @@ async def test_a_failed_release_is_logged_and_the_row_waits_out_its_lease(
         msg = "connection reset while releasing"
         raise ConnectionResetError(msg)
 
-    async def fails(event: Created, uow: UnitOfWork) -> None:
+    async def fails(event: Created, uow: SqlUnitOfWork) -> None:
         msg = "handler exploded"
         raise RuntimeError(msg)
 
-    monkeypatch.setattr(kit.container.dispatcher()._store, "release", release_fails)
+    monkeypatch.setattr(kit.container.dispatcher()._leases.store, "release", release_fails)
     kit.on(Created, fails)
     lease = kit.container.settings().outbox.lease_seconds
     with caplog.at_level(logging.ERROR):
@@ -292,7 +292,7 @@ async def test_a_failed_release_is_logged_and_the_row_waits_out_its_lease(
 async def test_a_lost_lease_rolls_the_handler_effects_back(kit: Kit) -> None:
     thief = uuid.uuid4()
 
-    async def loses_its_lease(event: Created, uow: UnitOfWork) -> None:
+    async def loses_its_lease(event: Created, uow: SqlUnitOfWork) -> None:
         # Another replica claims the row while the handler runs (before the handler writes:
         # SQLite has a single writer, so that is the only moment it can happen there).
         async def other_replica() -> None:
@@ -354,8 +354,8 @@ async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(post
         both_hold_a_lock = asyncio.Barrier(2)
         attempts: list[str] = []
 
-        def crossing(mine: Counter, theirs: Counter) -> Callable[[UnitOfWork], Awaitable[None]]:
-            async def operation(uow: UnitOfWork) -> None:
+        def crossing(mine: Counter, theirs: Counter) -> Callable[[SqlUnitOfWork], Awaitable[None]]:
+            async def operation(uow: SqlUnitOfWork) -> None:
                 attempts.append(mine.id)
                 await lock_row(uow, mine.id)
                 if attempts.count(mine.id) == 1:
@@ -377,7 +377,7 @@ async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(post
         await container.database().dispose()
 
 
-async def lock_row(uow: UnitOfWork, counter_id: str) -> None:
+async def lock_row(uow: SqlUnitOfWork, counter_id: str) -> None:
     statement = sa.update(COUNTERS).where(COUNTERS.c.id == counter_id).values(value=COUNTERS.c.value)
     await uow.session.exec(statement)  # type: ignore[call-overload]
 
@@ -391,7 +391,7 @@ async def test_a_commit_wakes_the_processor_long_before_the_fallback_interval(
     await install_kit(container)
     delivered: list[int] = []
 
-    async def consumer(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def consumer(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         delivered.append(event.value)
 
     container.handlers().consume("kit.wake-observer", CounterChangedV1, consumer)
@@ -462,7 +462,7 @@ async def test_a_handler_may_use_a_savepoint(kit: Kit) -> None:
     class OptionalStepFailedError(Exception):
         pass
 
-    async def careful(event: Any, uow: UnitOfWork) -> None:
+    async def careful(event: Any, uow: SqlUnitOfWork) -> None:
         with contextlib.suppress(OptionalStepFailedError):
             async with uow.savepoint():
                 await record_effect(uow, "tried")
@@ -481,7 +481,7 @@ async def test_a_cascade_past_the_depth_bound_is_dead_lettered(make_container: C
     rows past it are dead-lettered with a reason, never handed on to restart the count."""
     kit = await install_kit(make_container(outbox={"max_cascade_depth": 3}))
 
-    async def increment_again(event: Incremented, uow: UnitOfWork) -> None:
+    async def increment_again(event: Incremented, uow: SqlUnitOfWork) -> None:
         counter = await uow.repository(Counters).get(event.aggregate_id)
         counter.increment()
 
@@ -576,8 +576,8 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     kit = await install_kit(container)
     received: list[tuple[int, str | None]] = []
 
-    async def consume(event: CounterChangedV1, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import (
+    async def consume(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
             current_context,
         )
 
@@ -596,7 +596,7 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
 async def test_a_handler_cannot_commit_the_session_underneath_either(kit: Kit) -> None:
     refused: list[BaseException] = []
 
-    async def commits_the_session(event: Created, uow: UnitOfWork) -> None:
+    async def commits_the_session(event: Created, uow: SqlUnitOfWork) -> None:
         await kit.recording("sneaky")(event, uow)
         try:
             await uow.session.commit()

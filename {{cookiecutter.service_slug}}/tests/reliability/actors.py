@@ -19,41 +19,38 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.clock import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.clock import (
     system_clock,
 )
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+    SpanKind,
 )
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
-    ClaimedRow,
-)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
     PollingLoop,
 )
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
-    Delivered,
-    SourceSettings,
     TableSource,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
     WakeSignal,
 )
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-    build_listener,
-    source_settings,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
+from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
+from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import SERVICE_URLS, make_settings
 from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
@@ -69,6 +66,10 @@ class RecordingDeliverer:
         self.name = name
         self.hang_first = hang_first
         self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         if self.hang_first:
@@ -146,11 +147,11 @@ async def processor(args: argparse.Namespace) -> None:
     await container.database().dispose()
 
 
-def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, UnitOfWork], Awaitable[None]]:
+def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, SqlUnitOfWork], Awaitable[None]]:
     """A handler that waits until both racers are inside their handlers (both passed the inbox
     pre-check) before it writes: the loser must meet the inbox primary key at commit."""
 
-    async def handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def handler(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event
         (barrier / name).touch()
         deadline = time.monotonic() + 30
@@ -236,7 +237,7 @@ async def crasher(args: argparse.Namespace) -> None:
     )
     await install_kit(container, create_tables=False)
 
-    async def dies(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def dies(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
         print("handling", flush=True)
         os._exit(3)  # a crash: no except, no finally, no ack

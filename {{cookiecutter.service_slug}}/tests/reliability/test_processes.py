@@ -19,20 +19,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
-    capture,
-)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.consume import CRASH_GUARD_ERROR
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
-    CRASH_GUARD_ERROR,
-)
-from {{ cookiecutter.package_name }}.building_blocks.outbox.capture import (
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -292,7 +288,7 @@ async def broker_publisher(
     )
     await install_kit(publisher, create_tables=False)
 
-    async def never_runs(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def never_runs(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
 
     publisher.handlers().consume(consumer, CounterChangedV1, never_runs)

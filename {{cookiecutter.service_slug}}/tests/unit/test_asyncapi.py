@@ -7,15 +7,15 @@ import json
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.handlers import (
+from {{ cookiecutter.package_name }}.building_blocks.application.handlers import (
     HandlerRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.asyncapi import (
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+    MessageRegistry,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.asyncapi import (
     asyncapi_document,
     public_server,
-)
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
-    MessageRegistry,
 )
 
 from ..conftest import make_settings

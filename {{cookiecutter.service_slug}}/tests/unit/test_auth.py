@@ -6,7 +6,7 @@ from typing import Any
 import jwt
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.auth import (
+from {{ cookiecutter.package_name }}.building_blocks.web.auth import (
     InvalidTokenError,
     TokenService,
 )

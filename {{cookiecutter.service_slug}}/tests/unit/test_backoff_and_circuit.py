@@ -5,16 +5,12 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import CircuitBreaker
+from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import (
     BrokerUnavailableError,
-    CircuitBreaker,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.leases import (
-    backoff_seconds,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     CircuitOpenError,
 )
+from {{ cookiecutter.package_name }}.building_blocks.polling.retries import backoff_seconds
 
 pytestmark = pytest.mark.unit
 

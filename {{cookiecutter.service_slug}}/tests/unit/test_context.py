@@ -2,16 +2,19 @@
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
-    MAX_ROLES_LENGTH,
+from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values import (
     InvalidContextError,
-    RequestContext,
-    capture,
-    current_context,
-    flatten_roles,
-    restored,
-    use_context,
     validate_correlation_id,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture, restored
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    RequestContext,
+    current_context,
+    use_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.roles import (
+    MAX_ROLES_LENGTH,
+    flatten_roles,
 )
 
 pytestmark = pytest.mark.unit

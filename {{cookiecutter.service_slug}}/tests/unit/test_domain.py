@@ -4,6 +4,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+    InternalCommand,
+)
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     MAX_ORDERING_KEY_LENGTH,
     AggregateRoot,
@@ -11,10 +15,6 @@ from {{ cookiecutter.package_name }}.building_blocks.domain import (
     OrderingKeyTooLongError,
     applies,
     validate_event_name,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
-    IntegrationEvent,
-    InternalCommand,
 )
 
 pytestmark = pytest.mark.unit

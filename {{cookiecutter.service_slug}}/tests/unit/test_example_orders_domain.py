@@ -9,7 +9,7 @@ import pytest
 from {{ cookiecutter.package_name }}.building_blocks.domain import (
     DomainError,
 )
-from {{ cookiecutter.package_name }}.orders.domain import (
+from {{ cookiecutter.package_name }}.contexts.orders.domain import (
     MAX_LINES,
     InvalidOrderError,
     Order,

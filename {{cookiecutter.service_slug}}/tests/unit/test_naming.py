@@ -7,10 +7,10 @@ import pytest
 from {{ cookiecutter.package_name }}.about import (
     SERVICE_SLUG,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.faststream_bus import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
     FastStreamBus,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
     EndpointNames,
 )
 from {{ cookiecutter.package_name }}.container import (

@@ -6,11 +6,12 @@ from collections.abc import Iterator
 import pytest
 from fastapi import FastAPI
 
-from {{ cookiecutter.package_name }}.building_blocks.redaction import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.redaction import (
     mask_credentials,
 )
 from {{ cookiecutter.package_name }}.entrypoints import (
     cli,
+    serving,
 )
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
@@ -52,7 +53,7 @@ def test_text_without_url_credentials_is_unchanged(text: str) -> None:
 
 def test_the_development_banner_masks_the_database_password(capsys: pytest.CaptureFixture[str]) -> None:
     settings = Settings(_env_file=None, database={"url": DATABASE})  # type: ignore[call-arg]
-    cli.print_banner(settings, FastAPI(), "http://127.0.0.1:8000", with_worker=True)
+    serving.print_banner(settings, FastAPI(), "http://127.0.0.1:8000", with_worker=True)
     banner = capsys.readouterr().err
     assert "s3cret-pw" not in banner
     assert "postgresql+asyncpg://app:***@db.internal:5432/app" in banner

@@ -5,17 +5,17 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
-    DomainEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messages import (
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
     MalformedPayloadError,
     MessageRegistry,
     RegistryError,
     UnknownMessageError,
+)
+from {{ cookiecutter.package_name }}.building_blocks.domain import (
+    DomainEvent,
 )
 
 pytestmark = pytest.mark.unit
@@ -106,7 +106,7 @@ def test_upcaster_cycles_duplicates_and_dead_ends_are_refused() -> None:
 
 def test_the_container_refuses_inconsistent_modules_at_start_up() -> None:
     """``build_registry`` is what start-up runs: it validates after every module registered."""
-    from {{ cookiecutter.package_name }}.building_blocks.module import (
+    from {{ cookiecutter.package_name }}.building_blocks.application.module import (
         Module,
         UpcasterSpec,
     )

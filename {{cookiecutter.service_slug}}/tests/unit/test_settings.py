@@ -1,18 +1,14 @@
-"""ADR-100 enablement rules and refused configurations."""
+"""Outbox and inbox enablement rules and refused configurations."""
 
 from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from {{ cookiecutter.package_name }}.building_blocks.telemetry import (
-    NoTracing,
-    OpenTelemetryTracing,
-    SpanKind,
-)
-from {{ cookiecutter.package_name }}.container import (
-    build_tracing,
-)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.no_tracing import NoTracing
+from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanKind
+from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )

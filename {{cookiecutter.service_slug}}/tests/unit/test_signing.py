@@ -4,17 +4,17 @@ from datetime import UTC, datetime
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import (
     SIGNATURE,
     TENANT_ID,
-    Envelope,
-    RejectedMessageError,
-    Signer,
-    read_envelope,
 )
+from {{ cookiecutter.package_name }}.building_blocks.messaging.reading import read_envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.rejections import RejectedMessageError
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 
 pytestmark = pytest.mark.unit
 BODY = b'{"order_id": "o-1"}'

@@ -26,34 +26,30 @@ from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
 
-from {{ cookiecutter.package_name }}.building_blocks.context import (
-    capture,
-)
-from {{ cookiecutter.package_name }}.building_blocks.handlers import (
+from {{ cookiecutter.package_name }}.building_blocks.application.handlers import (
     HandlerRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
-    Envelope,
-    Signer,
+from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+    MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.naming import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.base import (
-    undecoded_body,
-)
-from {{ cookiecutter.package_name }}.building_blocks.messaging.transports.kafka import (
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.headers import undecoded_body
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import KafkaTransport
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import (
     ATTEMPT,
     NOT_BEFORE,
     KafkaDelivery,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import (
     KafkaTopologyError,
-    KafkaTransport,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.unit_of_work import (
-    UnitOfWork,
-)
-from {{ cookiecutter.package_name }}.building_blocks.registry import (
-    MessageRegistry,
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
+from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -108,8 +104,8 @@ class Observer:
         self.failures = failures
         self.seen: list[tuple[str | None, str | None]] = []
 
-    async def __call__(self, event: CounterChangedV1, uow: UnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.context import (
+    async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
+        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
             current_context,
         )
 
@@ -292,7 +288,7 @@ def kafka_transport(admin: FakeKafkaAdmin, **bus: Any) -> tuple[KafkaTransport, 
     registry.register(CounterChangedV1)
     handlers = HandlerRegistry()
 
-    async def observe(event: CounterChangedV1, uow: UnitOfWork) -> None:
+    async def observe(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         del event, uow
 
     handlers.consume("kit.observer", CounterChangedV1, observe)

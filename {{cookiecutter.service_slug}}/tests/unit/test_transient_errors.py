@@ -8,10 +8,8 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from {{ cookiecutter.package_name }}.building_blocks.persistence.database import (
-    is_database_outage,
-    is_transient,
-)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.failures import is_transient
+from {{ cookiecutter.package_name }}.building_blocks.persistence.outages import is_database_outage
 
 pytestmark = pytest.mark.unit
 

@@ -9,7 +9,7 @@ nack), so a consumer that cares compares what it has instead of trusting arrival
 
 from pydantic import Field
 
-from ..building_blocks.messages import IntegrationEvent
+from ..building_blocks.public import IntegrationEvent
 
 
 class OrderPlacedV1(IntegrationEvent, name="orders.order-placed.v1", ordered=True):

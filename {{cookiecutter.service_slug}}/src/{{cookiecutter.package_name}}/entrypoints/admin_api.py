@@ -8,23 +8,18 @@ name the request body could choose. An unknown id is 404, any other request an o
 is 400.
 """
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from pydantic import BaseModel, Field
 
-from ..building_blocks.context import RequestContext
-from ..building_blocks.outbox.admin import (
-    EVERY_TENANT,
-    MAX_OFFSET,
-    MAX_PAGE,
-    AdminError,
-    OutboxAdministration,
-    RowNotFoundError,
-    TenantScope,
-)
-from ..building_blocks.web import require_role
+from ..building_blocks.kernel.request_context import RequestContext
+from ..building_blocks.operations.admin import RelayAdministration
+from ..building_blocks.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
+from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
+from ..building_blocks.web.dependencies import require_role
 
 
 @dataclass(frozen=True)
@@ -35,8 +30,27 @@ class Administrator:
     scope: TenantScope
 
 
-def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
-    router = APIRouter(prefix="/admin/outbox", tags=["admin"])
+class ReplayIn(BaseModel):
+    source: str = "outbox"
+    ids: list[str] = Field(min_length=1, max_length=1000)
+
+
+def administration(request: Request) -> RelayAdministration:
+    admin = request.app.state.outbox_admin
+    assert isinstance(admin, RelayAdministration)  # noqa: S101 (set by create_app)
+    return admin
+
+
+Service = Annotated[RelayAdministration, Depends(administration)]
+
+
+def fail(error: AdminError) -> HTTPException:
+    status = 404 if isinstance(error, RowNotFoundError) else 400
+    return HTTPException(status_code=status, detail=str(error))
+
+
+def administrator_of(admin_role: str, operator_role: str) -> Callable[[Request], Administrator]:
+    """The caller and its scope: every tenant for the operator role, its own for the admin role."""
     either_role = require_role(admin_role, operator_role)
 
     def administrator(request: Request) -> Administrator:
@@ -45,23 +59,18 @@ def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
             return Administrator(context, EVERY_TENANT)
         return Administrator(context, TenantScope(context.tenant_id))
 
-    Admin = Annotated[Administrator, Depends(administrator)]  # noqa: N806
+    return administrator
 
-    def administration(request: Request) -> OutboxAdministration:
-        admin = request.app.state.outbox_admin
-        assert isinstance(admin, OutboxAdministration)  # noqa: S101 (set by create_app)
-        return admin
 
-    Service = Annotated[OutboxAdministration, Depends(administration)]  # noqa: N806
+def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
+    router = APIRouter(prefix="/admin/outbox", tags=["admin"])
+    admin = Annotated[Administrator, Depends(administrator_of(admin_role, operator_role))]
+    _add_dead_letter_routes(router, admin)
+    _add_row_routes(router, admin)
+    return router
 
-    class ReplayIn(BaseModel):
-        source: str = "outbox"
-        ids: list[str] = Field(min_length=1, max_length=1000)
 
-    def fail(error: AdminError) -> HTTPException:
-        status = 404 if isinstance(error, RowNotFoundError) else 400
-        return HTTPException(status_code=status, detail=str(error))
-
+def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N803, ANN401 (an Annotated alias)
     @router.get("/dead-letters")
     async def list_dead_letters(
         admin: Admin,
@@ -85,6 +94,8 @@ def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
             raise fail(error) from error
         return asdict(result)
 
+
+def _add_row_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N803, ANN401 (an Annotated alias)
     @router.get("/pending")
     async def pending(admin: Admin, service: Service, source: str | None = None) -> list[dict[str, Any]]:
         try:
@@ -98,5 +109,3 @@ def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
             return asdict(await service.explain(source, row_id, scope=admin.scope))
         except AdminError as error:
             raise fail(error) from error
-
-    return router

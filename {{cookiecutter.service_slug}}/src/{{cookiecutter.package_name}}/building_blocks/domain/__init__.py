@@ -7,13 +7,8 @@ every change is an event and an event-store persistence can be added without rew
 
 from .aggregate import AggregateRoot, Entity, applies
 from .errors import ConcurrencyError, DomainError, NotFoundError
-from .events import (
-    MAX_ORDERING_KEY_LENGTH,
-    DomainEvent,
-    Message,
-    OrderingKeyTooLongError,
-    validate_event_name,
-)
+from .events import DomainEvent, Message
+from .names import MAX_ORDERING_KEY_LENGTH, OrderingKeyTooLongError, validate_event_name
 
 __all__ = [
     "MAX_ORDERING_KEY_LENGTH",

@@ -16,45 +16,12 @@ refused by the database at commit would fail the whole business transaction.
 
 from __future__ import annotations
 
-import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import ClassVar
 
-from .errors import DomainError
-
-MAX_ORDERING_KEY_LENGTH = 128
-_NAME = re.compile(r"[a-z][a-z0-9-]*(?:\.[a-z][a-z0-9-]*)+\.v[1-9][0-9]*")
-
-
-def validate_event_name(name: str) -> str:
-    """Names look like ``context.event-name.v1``: lowercase, dotted, ending in a version."""
-    if not _NAME.fullmatch(name):
-        msg = (
-            f"message name {name!r} must look like 'context.event-name.v1' "
-            "(lowercase words, dots, a trailing version)"
-        )
-        raise ValueError(msg)
-    return name
-
-
-class OrderingKeyTooLongError(DomainError):
-    """A message's ordering key is longer than the outbox stores (answered as 422 by the API)."""
-
-    def __init__(self, message_name: str, length: int) -> None:
-        super().__init__(
-            f"the ordering key of {message_name} is {length} characters; at most "
-            f"{MAX_ORDERING_KEY_LENGTH} characters are allowed (MAX_ORDERING_KEY_LENGTH)",
-            code="invalid",
-        )
-
-
-def check_ordering_key(message: Message) -> None:
-    """Refuse a message whose ordering key the outbox cannot store (called when it is made)."""
-    key = message.ordering_key()
-    if key is not None and len(key) > MAX_ORDERING_KEY_LENGTH:
-        raise OrderingKeyTooLongError(message.message_name, len(key))
+from .names import check_ordering_key, validate_event_name
 
 
 def utc_now() -> datetime:
@@ -94,7 +61,7 @@ class DomainEvent(Message):
     occurred_on: datetime = field(default_factory=utc_now)
 
     def __post_init__(self) -> None:
-        check_ordering_key(self)
+        check_ordering_key(self.message_name, self.ordering_key())
 
     def ordering_key(self) -> str | None:
         return self.aggregate_id if self.ordered else None

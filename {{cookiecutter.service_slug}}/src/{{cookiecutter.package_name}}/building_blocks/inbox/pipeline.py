@@ -13,8 +13,8 @@ together -> acknowledge.
   ``x-occurred-on`` is older than the retention is rejected as ``stale``: an inbox row is
   received no earlier than its message occurred, so every message younger than the retention
   still finds its row. This holds only if inbox retention exceeds how late a message can
-  legitimately arrive (outbox dead-letter retention plus the time to replay; see
-  docs/semantics.md). ``0`` keeps inbox rows for ever, so there is no limit.
+  legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
+  Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
 * A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
   primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip.
 * A handler failure rolls everything back, including the staged inbox row, so the redelivery is
@@ -27,70 +27,42 @@ The handler runs under the runtime guard: it must not commit; the pipeline does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import timedelta
 from enum import Enum
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from ..clock import Clock
-from ..context import current_context, restored
+from ..application.handler_types import Consumer, handler_name
+from ..application.registry import MessageRegistry
 from ..domain.events import Message
-from ..handlers import Consumer, handler_name
-from ..messaging.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
-from ..outbox.metrics import OutboxMetrics
-from ..persistence.guard import handler_scope
-from ..persistence.models import InboxMessage
-from ..persistence.unit_of_work_factory import UnitOfWorkFactory
-from ..registry import MalformedPayloadError, MessageRegistry, UnknownMessageError
-from ..telemetry import NoTracing, SpanKind, Tracing
+from ..kernel.clock import Clock
+from ..kernel.hops import restored
+from ..kernel.metrics import RelayMetrics
+from ..kernel.no_tracing import NoTracing
+from ..kernel.request_context import current_context
+from ..kernel.tracing import SpanKind, Tracing
+from ..messaging.reading import read_envelope
+from ..messaging.rejections import RejectedMessageError
+from ..messaging.signing import Signer
+from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
+from ..persistence.handler_scope import handler_scope
+from ..unit_of_work.factory import UnitOfWorkFactory
+from .decoding import decode, refuse_stale
+from .delivery import Delivery, delivering
 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
-INBOX = InboxMessage.__table__  # type: ignore[attr-defined]
+INBOX = INBOX_TABLE
 
 
 class ConsumeOutcome(Enum):
     CONSUMED = "consumed"
     DUPLICATE = "duplicate"
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """The message a consumer handler is running for."""
-
-    message_id: str
-    event_name: str
-    consumer: str
-
-
-_delivery: ContextVar[Delivery | None] = ContextVar("delivery", default=None)
-
-
-def current_delivery() -> Delivery:
-    """The delivery being consumed (raises outside a consumer handler)."""
-    delivery = _delivery.get()
-    if delivery is None:
-        msg = "current_delivery() is only available inside an integration-event handler"
-        raise LookupError(msg)
-    return delivery
-
-
-@contextmanager
-def _delivering(delivery: Delivery) -> Iterator[None]:
-    token = _delivery.set(delivery)
-    try:
-        yield
-    finally:
-        _delivery.reset(token)
 
 
 class ConsumePipeline:
@@ -103,7 +75,7 @@ class ConsumePipeline:
         registry: MessageRegistry,
         signer: Signer,
         inbox_enabled: bool,
-        metrics: OutboxMetrics,
+        metrics: RelayMetrics,
         clock: Clock,
         inbox_retention_days: int = 0,
         max_header_bytes: int = 4096,
@@ -121,46 +93,14 @@ class ConsumePipeline:
         self._metrics = metrics
         self._clock = clock
 
-    def _refuse_stale(self, envelope: Envelope) -> None:
-        """Reject a message older than the inbox remembers (see the module docstring)."""
-        if self._max_age is None:
-            return
-        age = self._clock() - envelope.occurred_on
-        if age > self._max_age:
-            detail = (
-                f"x-occurred-on {envelope.occurred_on.isoformat()} is {age.days} days old, older than "
-                f"INBOX__RETENTION_DAYS ({self._max_age.days}): a duplicate could no longer be recognised"
-            )
-            raise RejectedMessageError(Rejection.STALE, detail)
-
-    def _decode(self, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, an int past
-            # Python's digit limit (ValueError), or nesting deeper than the recursion limit
-            detail = f"the body is not readable JSON: {type(error).__name__}: {error}"
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, detail) from error
-        if not isinstance(payload, dict):
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
-        try:
-            message = self._registry.load(event_name, payload)
-        except UnknownMessageError as error:
-            raise RejectedMessageError(Rejection.UNKNOWN_EVENT, str(error)) from error
-        except MalformedPayloadError as error:
-            raise RejectedMessageError(Rejection.MALFORMED_BODY, str(error)) from error
-        if not isinstance(message, consumer.event_type):
-            detail = f"{event_name} is not consumed by {consumer.name}"
-            raise RejectedMessageError(Rejection.UNEXPECTED_EVENT, detail)
-        return cast("Message", message)
-
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
     ) -> ConsumeOutcome:
         """Process one message for one consumer (see the module docstring)."""
         try:
             envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
-            self._refuse_stale(envelope)
-            message = self._decode(consumer, envelope.event_name, body)
+            refuse_stale(envelope, self._clock(), self._max_age)
+            message = decode(self._registry, consumer, envelope.event_name, body)
         except RejectedMessageError as rejected:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
             raise
@@ -174,7 +114,7 @@ class ConsumePipeline:
         ) as span:
             # What the handler enqueues carries this span: the trace goes on to the next hop.
             context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
-            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), _delivering(delivery):
+            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
                 try:
                     outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
                 except Exception:

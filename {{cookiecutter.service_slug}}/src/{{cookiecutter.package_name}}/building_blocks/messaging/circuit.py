@@ -3,7 +3,7 @@
 Only :class:`BrokerUnavailableError` (the transport said it could not reach the broker: a lost
 connection, a timeout, no servers) counts. Such a failure is not the message's fault, so it is
 never recorded as one of the row's retries: the row is released until the breaker may close
-(the ADR records charging outages as an omission: a long outage dead-lettered healthy messages).
+(charging outages would dead-letter healthy messages during any outage longer than the retries).
 After ``failure_threshold`` consecutive outages the circuit opens for ``reset_seconds`` and no
 publish is attempted; then one trial is let through (half-open): success closes it, an outage
 opens it again. A message-level failure (an unroutable message, a consumer error on the
@@ -17,14 +17,10 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta
 from typing import TypeVar
 
-from ..clock import Clock
-from ..polling.source import CircuitOpenError
+from ..kernel.clock import Clock
+from .outages import BrokerUnavailableError, CircuitOpenError
 
 T = TypeVar("T")
-
-
-class BrokerUnavailableError(ConnectionError):
-    """The broker could not be reached (raised by transports around their publish)."""
 
 
 class CircuitBreaker:

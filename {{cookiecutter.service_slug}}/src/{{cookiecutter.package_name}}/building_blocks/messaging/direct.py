@@ -1,4 +1,4 @@
-"""Publishing integration events without the outbox (ADR-100: in-process transport, outbox off).
+"""Publishing integration events without the outbox (in-process transport, outbox off).
 
 A single-process host with the outbox off hands integration events straight to the bus right
 after its commit: best effort, with no row to retry from. Brokers never run this way: a broker
@@ -11,10 +11,10 @@ import json
 import uuid
 from collections.abc import Callable
 
-from ..context import capture
+from ..application.messages import IntegrationEvent
+from ..application.registry import MessageRegistry
 from ..domain.events import utc_now
-from ..messages import IntegrationEvent
-from ..registry import MessageRegistry
+from ..kernel.hops import capture
 from .bus import MessageBus
 from .envelope import Envelope
 

@@ -15,7 +15,6 @@ from typing import Any
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
 from sqlmodel.ext.asyncio.session import AsyncSession
 
@@ -23,66 +22,6 @@ from ...settings import DatabaseSettings
 from .guard import GuardedSession, guard_engine
 
 log = logging.getLogger(__name__)
-
-# Serialization failure, deadlock, lock not available (PostgreSQL), busy/locked (SQLite).
-TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
-TRANSIENT_MESSAGES = ("database is locked", "database is busy", "database table is locked")
-
-
-def is_transient(error: BaseException) -> bool:
-    """True for database errors that a re-run of the whole operation may not hit again."""
-    if not isinstance(error, DBAPIError):
-        return False
-    if getattr(error.orig, "sqlstate", None) in TRANSIENT_SQLSTATES:
-        return True
-    text_ = str(error.orig).lower()
-    return any(message in text_ for message in TRANSIENT_MESSAGES)
-
-
-# Connection exceptions (class 08), shutting down, cannot connect now, too many connections.
-OUTAGE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
-
-
-DRIVER_PACKAGES = ("sqlalchemy", "asyncpg", "aiosqlite", "sqlite3")
-
-
-def is_database_outage(error: BaseException) -> bool:
-    """True when the database could not be reached or dropped the connection: the operation
-    says nothing about the data and succeeds once the database is back.
-
-    A refused connect comes out of asyncpg as a bare ``ConnectionRefusedError``, the same type a
-    handler's own HTTP call raises; only the traceback tells them apart, so a plain socket error
-    counts only when it was raised inside the database driver."""
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, DBAPIError):
-            if current.connection_invalidated:
-                return True
-            sqlstate = str(getattr(current.orig, "sqlstate", "") or "")
-            if sqlstate.startswith("08") or sqlstate in OUTAGE_SQLSTATES:
-                return True
-        elif type(current).__module__.partition(".")[0] == "asyncpg" and type(current).__name__ in {
-            "ConnectionDoesNotExistError",
-            "CannotConnectNowError",
-            "ConnectionFailureError",
-        }:
-            return True
-        elif isinstance(current, OSError) and _raised_in_driver(current):
-            return True  # refused, reset, unreachable, timed out: inside the driver
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _raised_in_driver(error: BaseException) -> bool:
-    frame = error.__traceback__
-    while frame is not None:
-        module = str(frame.tb_frame.f_globals.get("__name__", ""))
-        if module.partition(".")[0] in DRIVER_PACKAGES:
-            return True
-        frame = frame.tb_next
-    return False
 
 
 class Database:

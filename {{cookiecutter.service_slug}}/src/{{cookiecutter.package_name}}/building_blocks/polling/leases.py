@@ -9,7 +9,6 @@ statements on SQLite).
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -18,26 +17,12 @@ from datetime import datetime, timedelta
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from ..text import storable
-
-MAX_ERROR_LENGTH = 4000
-# ``last_error`` of a row released uncharged while its downstream is down (open circuit):
-# ``explain`` reports it as paused, not as backing off after a failure of its own.
-PAUSED_PREFIX = "paused, not charged: "
-RETRIES_EXHAUSTED = "retries_exhausted"
-TYPE_UNRESOLVABLE = "type_unresolvable"
-MALFORMED_PAYLOAD = "malformed_payload"
-CASCADE_DEPTH_EXCEEDED = "cascade_depth_exceeded"
+from ..kernel.text import storable
+from .retries import MAX_ERROR_LENGTH
 
 
 class LeaseLostError(RuntimeError):
     """The row no longer carries our token: another processor owns it now."""
-
-
-def backoff_seconds(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
-    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap (ADR 2026-08-07)."""
-    exponent = min(max(attempt, 1) - 1, 62)
-    return min(base * (2.0**exponent) * rng.uniform(0.8, 1.2), cap)
 
 
 @dataclass(frozen=True)

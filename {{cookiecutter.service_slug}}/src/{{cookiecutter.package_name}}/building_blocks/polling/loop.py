@@ -1,4 +1,4 @@
-"""The polling core shared by the outbox and internal-command processors (the ADR's PollingLoop).
+"""The polling core shared by the outbox and internal-command processors (one loop, two tables).
 
 A loop wakes on its in-process signal (a commit on this process, or a PostgreSQL NOTIFY from any
 replica), or after the fallback interval. After a cycle it
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from ..clock import Clock
+from ..kernel.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,91 @@
+"""Keeping a message while its handler works, and through a database outage.
+
+While a handler runs, ``keep_alive`` touches the message so the broker does not hand it to
+another consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``). A database outage says nothing
+about the message: charging it an attempt would dead-letter every message in flight during a
+failover, so it is held and run again, uncharged, with a capped backoff for up to
+``MESSAGE_BUS__DATABASE_OUTAGE_HOLD_SECONDS``; a longer outage falls through to the normal,
+charged redelivery. Each run rolls back in full, so running again is exactly a redelivery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ..application.handler_types import Consumer
+from ..inbox.pipeline import ConsumePipeline
+from ..kernel.metrics import RelayMetrics
+from ..persistence.outages import is_database_outage
+from .transports.ports import Delivery
+
+log = logging.getLogger(__name__)
+OUTAGE_FIRST_PAUSE_SECONDS = 0.2
+OUTAGE_MAX_PAUSE_SECONDS = 5.0
+
+
+@asynccontextmanager
+async def keep_alive(delivery: Delivery) -> AsyncIterator[None]:
+    """While the block runs, ``touch`` the message so the broker does not hand it to another
+    consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``); a no-op where not needed."""
+    interval = delivery.heartbeat_seconds
+    if interval is None:
+        yield
+        return
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await delivery.touch()
+            except Exception:
+                log.warning("could not extend message %s", delivery.message_id, exc_info=True)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def consume_through_database_outages(
+    pipeline: ConsumePipeline,
+    metrics: RelayMetrics,
+    hold_seconds: float,
+    consumer: Consumer[Any],
+    delivery: Delivery,
+) -> None:
+    """Run the pipeline; while the database is unreachable, hold the message and run it again.
+
+    A database outage says nothing about the message: charging it an attempt would
+    dead-letter every message in flight during a failover. The message is held (kept alive
+    at the broker) with a capped backoff for up to ``DATABASE_OUTAGE_HOLD_SECONDS``; a longer
+    outage falls through to the normal, charged redelivery. Each run rolls back in full, so
+    running again is exactly a redelivery."""
+    deadline = time.monotonic() + hold_seconds
+    pause = OUTAGE_FIRST_PAUSE_SECONDS
+    while True:
+        try:
+            await pipeline.consume(consumer, delivery.headers, delivery.body)
+        except Exception as error:
+            if not is_database_outage(error) or time.monotonic() + pause > deadline:
+                raise
+            metrics.inbox_outage_holds.labels(consumer.name).inc()
+            log.warning(
+                "%s: database unreachable while handling %s; holding it %.1fs (not charged): %s",
+                consumer.name,
+                delivery.message_id,
+                pause,
+                error,
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, OUTAGE_MAX_PAUSE_SECONDS)
+        else:
+            return

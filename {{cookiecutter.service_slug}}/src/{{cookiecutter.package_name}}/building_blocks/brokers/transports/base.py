@@ -1,0 +1,75 @@
+"""What every broker transport provides to the FastStream bus.
+
+Everything that arrives is untrusted, bytes and headers alike, and every message must end
+acknowledged: processed, retried (bounded) or dead-lettered with a reason. So the transports:
+
+* hand the body over undecoded (:func:`undecoded_body` replaces FastStream's decoder, which would
+  run ``json.loads`` before the service sees the message: a 5,000-digit integer or a deeply
+  nested array raised there, outside any error handling, and the message stayed unacknowledged);
+  the consume pipeline decodes it, where a bad body is a rejection;
+* read the broker's delivery counters strictly (:func:`broker_count`): a counter the broker
+  would never write was forged or mangled on the way, and with it the retries can no longer be
+  bounded, so the message is rejected (``malformed_header``) instead of trusted or crashed on;
+* copy header values onto dead-letter copies only as one line of valid UTF-8 text, bounded
+  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself;
+* where FastStream's own parser fails on what a broker can carry (Redis, Kafka), parse a
+  readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from .headers import message_id_of
+
+log = logging.getLogger(__name__)
+
+
+class PingFailedError(ConnectionError):
+    """The broker did not answer."""
+
+
+class ReceivedMessage:
+    """What every transport's delivery shares: headers, body, message id and the ack."""
+
+    def __init__(self, message: Any, headers: Mapping[str, object] | None = None) -> None:  # noqa: ANN401 (a FastStream message)
+        self._message = message
+        self.headers: dict[str, object] = dict(message.headers or {}) if headers is None else dict(headers)
+        self.body: bytes = message.body
+
+    @property
+    def message_id(self) -> str:
+        return message_id_of(self.headers)
+
+    async def ack(self) -> None:
+        await self._message.ack()
+
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        return None  # RabbitMQ and Kafka do not redeliver to a live consumer
+
+    async def touch(self) -> None:
+        return None
+
+
+class FastStreamTransport:
+    """The broker lifecycle every transport shares (the broker itself is set by the subclass)."""
+
+    broker: Any
+    label = "the broker"
+
+    async def connect(self) -> None:
+        await self.broker.connect()
+
+    async def start_consuming(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+    async def ping(self) -> None:
+        if not await self.broker.ping(timeout=2.0):
+            msg = f"{self.label} did not answer"
+            raise PingFailedError(msg)

@@ -1,0 +1,126 @@
+"""Operating the relay tables (outbox, internal commands): list and replay dead letters, count
+pending rows, explain one row.
+
+Exposed by the admin API and the CLI, always within a tenant scope, with readable errors for what
+an operator can fix (``requests``); what they show never includes a payload (``views``); why a
+row is or is not moving is ``explain``'s.
+
+Replay returns dead letters to the pending pool with ``retry_count = 0`` and the lease cleared,
+keeps ``last_error`` (the first thing anyone asks after a replay) and keeps ``occurred_on`` and
+``seq`` (the row keeps its place in its ordering key), and records who replayed how many, when.
+It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import sqlalchemy as sa
+
+from ..kernel.clock import Clock
+from ..persistence.audit_tables import DeadLetterReplay
+from ..persistence.database import Database
+from ..polling.wake import wake_replicas
+from .explain import explain_row
+from .replay import refuse_unless_replayable, return_to_pending
+from .requests import MAX_OFFSET, MAX_PAGE, AdminError, one_source, parse_ids, sources_named
+from .tenant_scope import EVERY_TENANT, TenantScope
+from .views import DeadLetter, Explanation, PendingCount, ReplayResult
+
+
+class RelayAdministration:
+    """The operator surface over both polled tables."""
+
+    def __init__(
+        self, *, database: Database, clock: Clock, wake: Callable[[], None], notify_channel: str = ""
+    ) -> None:
+        self._db = database
+        self._clock = clock
+        self._wake = wake
+        self._channel = notify_channel
+
+    async def list_dead_letters(
+        self,
+        source: str | None = None,
+        *,
+        offset: int = 0,
+        limit: int = 50,
+        scope: TenantScope = EVERY_TENANT,
+    ) -> list[DeadLetter]:
+        """Dead letters, oldest first, paged; one source or all of them."""
+        if not 0 <= offset <= MAX_OFFSET or not 1 <= limit <= MAX_PAGE:
+            msg = f"offset must be between 0 and {MAX_OFFSET} and limit between 1 and {MAX_PAGE}"
+            raise AdminError(msg)
+        found: list[DeadLetter] = []
+        async with self._db.session() as session:
+            for table in sources_named(source):
+                c = table.table.c
+                statement = (
+                    sa.select(
+                        c.id,
+                        c[table.name_column],
+                        c.occurred_on,
+                        c.dead_lettered_on,
+                        c.dead_letter_reason,
+                        c.retry_count,
+                        c.last_error,
+                        c.ordering_key,
+                        c.tenant_id,
+                        c.correlation_id,
+                    )
+                    .where(c.dead_lettered_on.is_not(None), scope.admits(table.table))
+                    .order_by(c.occurred_on, c.seq)
+                    .limit(offset + limit)
+                )
+                rows = await session.exec(statement)  # type: ignore[call-overload]
+                found.extend(DeadLetter(str(row[0]), table.name, *row[1:]) for row in rows)
+        found.sort(key=lambda d: (d.occurred_on, d.source))
+        return found[offset : offset + limit]
+
+    async def replay(
+        self, source: str, ids: Sequence[str], *, actor: str, scope: TenantScope = EVERY_TENANT
+    ) -> ReplayResult:
+        """Return dead letters to the pending pool (all or nothing) and record the replay."""
+        table = one_source(source, "replay")
+        wanted = parse_ids(ids)
+        now = self._clock()
+        async with self._db.session() as session:
+            await refuse_unless_replayable(session, table, wanted, scope)
+            replayed_ids = await return_to_pending(session, table, wanted, scope)
+            session.add(
+                DeadLetterReplay(
+                    source=table.name,
+                    replayed_by=actor,
+                    replayed_on=now,
+                    message_count=len(replayed_ids),
+                    message_ids=replayed_ids,
+                )
+            )
+            if self._db.is_postgresql and self._channel:  # wake every replica's processor
+                await session.exec(wake_replicas(self._channel))  # type: ignore[call-overload]
+            await session.commit()
+        self._wake()
+        return ReplayResult(table.name, replayed_ids, actor, now)
+
+    async def count_pending(
+        self, source: str | None = None, *, scope: TenantScope = EVERY_TENANT
+    ) -> list[PendingCount]:
+        """Rows not yet delivered (leased ones included), per source, right now."""
+        counts: list[PendingCount] = []
+        now = self._clock()
+        async with self._db.session() as session:
+            for table in sources_named(source):
+                c = table.table.c
+                pending = sa.and_(c.processed_on.is_(None), c.dead_lettered_on.is_(None))
+                statement = sa.select(
+                    sa.func.count().filter(pending),
+                    sa.func.count().filter(pending, c.lock_token.is_not(None), c.locked_until > now),
+                    sa.func.count().filter(c.dead_lettered_on.is_not(None)),
+                ).where(scope.admits(table.table))
+                total, leased, dead = (await session.exec(statement)).one()  # type: ignore[call-overload]
+                counts.append(PendingCount(table.name, int(total), int(leased), int(dead)))
+        return counts
+
+    async def explain(self, source: str, row_id: str, *, scope: TenantScope = EVERY_TENANT) -> Explanation:
+        """Say why one row is or is not moving."""
+        return await explain_row(self._db, self._clock, source, row_id, scope=scope)

@@ -1,0 +1,77 @@
+"""What one cycle does when the process stops in the middle of it (a cancellation).
+
+Nothing is charged. An outcome already being written is finished; rows the cycle never reached
+are released at once, beside those writes (a write that hangs must not use up the time their
+release needs); then the rows whose delivery was interrupted are released too, claimable again
+at once. Everything shares one deadline (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's
+wait of the shutdown timeout covers all a cycle does. Every release is token-guarded: a row
+whose outcome was written no longer matches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Collection, Sequence
+from contextlib import suppress
+from typing import TypeVar
+
+from ..persistence.database import Database
+from .claimed import ClaimedRow
+from .leases import LeaseStore
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CycleShutdown:
+    """One cycle's shutdown deadline and the writes it protects."""
+
+    def __init__(self, *, name: str, timeout_seconds: float, database: Database, leases: LeaseStore) -> None:
+        self._name = name
+        self._timeout = timeout_seconds
+        self._db = database
+        self._leases = leases
+        self._deadline: float | None = None
+
+    def deadline(self) -> float:
+        """Set on the first use after the cancellation, then the same for everything."""
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().time() + self._timeout
+        return self._deadline
+
+    async def write(self, outcome: Awaitable[T]) -> T:
+        """Write an outcome; if a cancellation interrupts, finish it within the deadline."""
+        task = asyncio.ensure_future(outcome)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            try:
+                async with asyncio.timeout_at(self.deadline()):
+                    await task
+            except Exception:
+                log.exception("%s: an outcome write did not finish during shutdown", self._name)
+            raise
+
+    async def stop(
+        self,
+        tasks: Sequence[asyncio.Future[bool]],
+        rows: Sequence[ClaimedRow],
+        started: Collection[uuid.UUID],
+        token: uuid.UUID,
+    ) -> None:
+        """Cancel the deliveries; release the unreached rows beside the writes, then the rest."""
+        for task in tasks:
+            task.cancel()
+        unreached = [row for row in rows if row.id not in started]
+        await asyncio.gather(self.release(unreached, token), *tasks, return_exceptions=True)
+        await self.release([row for row in rows if row.id in started], token)
+
+    async def release(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> None:
+        if not rows:
+            return
+        with suppress(Exception):
+            async with asyncio.timeout_at(self.deadline()):
+                async with self._db.bookkeeping() as connection:
+                    await self._leases.release(connection, [row.id for row in rows], token)

@@ -1,0 +1,61 @@
+"""Everything a bounded context may use from the building blocks, besides ``building_blocks.domain``.
+
+A context's domain layer imports only ``building_blocks.domain`` (aggregates, events, errors:
+the standard library only). Everything else a context needs is here, and nowhere else: the
+architecture tests refuse an import of any other building-block module from ``contexts/``, so
+the rest (polling, leases, capture, transports, the concrete unit of work) can change without
+breaking your code.
+
+* messages: :class:`IntegrationEvent` (published to other services), :class:`InternalCommand`
+  (deferred work of this service);
+* the unit of work, as use cases and handlers see it (:class:`UnitOfWork`), as entry points drive
+  it (:class:`UnitOfWorkFactory`), and as adapters are built from it (:class:`AdapterScope`,
+  :class:`Repository` for aggregates);
+* registration: :class:`Module` (what ``contexts/<name>/module.py`` returns),
+  :class:`HandlerRegistry`, :class:`UpcasterSpec`;
+* the caller: :class:`RequestContext`, :func:`current_context`, and inside an integration-event
+  handler :func:`current_delivery`;
+* HTTP: the FastAPI dependencies :func:`authenticated`, :func:`require_role` and
+  :func:`units_of_work`;
+* tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL).
+"""
+
+from .application.handler_types import Handler
+from .application.handlers import HandlerRegistry
+from .application.messages import IntegrationEvent, InternalCommand
+from .application.module import Module, UpcasterSpec
+from .application.unit_of_work import (
+    Adapter,
+    AdapterScope,
+    TransactionalUnitOfWork,
+    UnitOfWork,
+    UnitOfWorkFactory,
+)
+from .inbox.delivery import Delivery, current_delivery
+from .kernel.request_context import RequestContext, current_context
+from .persistence.tables import JSON_TYPE
+from .unit_of_work.repository import Repository
+from .web.dependencies import authenticated, require_role, units_of_work
+
+__all__ = [
+    "JSON_TYPE",
+    "Adapter",
+    "AdapterScope",
+    "Delivery",
+    "Handler",
+    "HandlerRegistry",
+    "IntegrationEvent",
+    "InternalCommand",
+    "Module",
+    "Repository",
+    "RequestContext",
+    "TransactionalUnitOfWork",
+    "UnitOfWork",
+    "UnitOfWorkFactory",
+    "UpcasterSpec",
+    "authenticated",
+    "current_context",
+    "current_delivery",
+    "require_role",
+    "units_of_work",
+]

@@ -1,0 +1,121 @@
+"""The background half of the service: processors, consumers, listener, cleanup, sampler.
+
+``start()`` launches everything as tasks; ``stop()`` (SIGTERM) stops consuming, cancels the
+processor loops (an in-flight outcome is still written within the shutdown timeout, see
+``polling.source``), then the rest, and returns when all have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import sqlalchemy as sa
+
+from ..kernel.clock import Clock
+from ..kernel.metrics import RelayMetrics
+from ..messaging.bus import MessageBus
+from ..operations.retention import RetentionCleaner
+from ..persistence.database import Database
+from ..polling.listener import PostgresListener
+from ..polling.loop import PollingLoop
+from ..polling.source import TableSource
+from ..polling.wake import WakeSignal
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Owns the background tasks of one process."""
+
+    def __init__(
+        self,
+        *,
+        sources: Sequence[TableSource],
+        wake: WakeSignal,
+        cleaner: RetentionCleaner,
+        bus: MessageBus,
+        database: Database,
+        metrics: RelayMetrics,
+        clock: Clock,
+        listener: PostgresListener | None,
+        polling_interval_seconds: float,
+        cleanup_interval_seconds: float,
+        metrics_interval_seconds: float,
+        shutdown_timeout_seconds: float,
+    ) -> None:
+        self._sources = sources
+        self._wake = wake
+        self._cleaner = cleaner
+        self._bus = bus
+        self._db = database
+        self._metrics = metrics
+        self._clock = clock
+        self._listener = listener
+        self._interval = polling_interval_seconds
+        self._cleanup_interval = cleanup_interval_seconds
+        self._metrics_interval = metrics_interval_seconds
+        self._shutdown_timeout = shutdown_timeout_seconds
+        self._loops: list[asyncio.Task[None]] = []
+        self._others: list[asyncio.Task[None]] = []
+        self.polling_loops: list[PollingLoop] = []
+
+    def _spawn(
+        self, coroutine: Coroutine[Any, Any, None], name: str, group: list[asyncio.Task[None]]
+    ) -> None:
+        task = asyncio.create_task(coroutine, name=name)
+        task.add_done_callback(self._report_crash)
+        group.append(task)
+
+    @staticmethod
+    def _report_crash(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+    async def start(self) -> None:
+        for source in self._sources:
+            loop = PollingLoop(
+                source, wake=self._wake.subscribe(), interval_seconds=self._interval, clock=self._clock
+            )
+            self.polling_loops.append(loop)
+            self._spawn(loop.run(), f"poll:{source.name}", self._loops)
+        if self._listener is not None:
+            self._spawn(self._listener.run(), "listen:postgres", self._others)
+        self._spawn(self._cleaner.run(self._cleanup_interval), "cleanup", self._others)
+        self._spawn(self._sample_depth(), "metrics:pending", self._others)
+        await self._bus.start_consuming()
+        log.info("worker started: %s", ", ".join(s.name for s in self._sources) or "no processors")
+
+    async def stop(self) -> None:
+        """Processors first (their in-flight outcomes still need the bus), then the bus."""
+        for group in (self._loops, self._others):
+            for task in group:
+                task.cancel()
+            if group:
+                await asyncio.wait(group, timeout=self._shutdown_timeout + 1)
+            group.clear()
+        with contextlib.suppress(Exception):
+            await self._bus.stop()
+        log.info("worker stopped")
+
+    async def sample_depth(self) -> None:
+        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not)."""
+        async with self._db.session() as session:
+            for source in self._sources:
+                c = source.table.c
+                pending = sa.select(sa.func.count()).where(
+                    c.processed_on.is_(None), c.dead_lettered_on.is_(None)
+                )
+                count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
+                self._metrics.pending_depth.labels(source.name).set(count)
+
+    async def _sample_depth(self) -> None:
+        while True:
+            try:
+                await self.sample_depth()
+            except Exception:
+                log.warning("could not sample the pending depth", exc_info=True)
+            await asyncio.sleep(self._metrics_interval)

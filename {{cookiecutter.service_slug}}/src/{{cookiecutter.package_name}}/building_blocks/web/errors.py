@@ -1,0 +1,53 @@
+"""Errors as answers: domain errors become JSON problems with stable codes (404, 409, 422), never
+tracebacks; a validation error echoes at most a short prefix of what it refused."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import FastAPI, Request, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ..domain.errors import ConcurrencyError, DomainError, NotFoundError
+from ..kernel.text import ECHO_LIMIT, shorten
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Domain errors become JSON problems with stable codes, never tracebacks."""
+
+    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, DomainError)  # noqa: S101 (registered for DomainError only)
+        code = status.HTTP_409_CONFLICT
+        if isinstance(error, NotFoundError):
+            code = status.HTTP_404_NOT_FOUND
+        elif not isinstance(error, ConcurrencyError) and error.code == "invalid":
+            code = status.HTTP_422_UNPROCESSABLE_CONTENT
+        if error.field is not None:  # shaped like FastAPI's own validation errors
+            detail = [{"loc": ["body", *error.field], "msg": error.message, "type": error.code}]
+            return JSONResponse({"detail": detail, "code": error.code}, status_code=code)
+        return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
+
+    async def validation_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)  # noqa: S101 (registered for it only)
+        detail = [_with_short_input(e) for e in jsonable_encoder(error.errors())]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+    app.add_exception_handler(DomainError, domain_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+
+
+def _with_short_input(error: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's validation error with ``input`` cut to a short prefix: a refused megabyte (or,
+    for a missing field, the whole body) is not sent back to the caller."""
+    if "input" not in error:
+        return error
+    return {**error, "input": short_echo(error["input"])}
+
+
+def short_echo(value: object) -> object:
+    """``value`` itself when its JSON form is short, else the start of that JSON form."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return value if len(text) <= ECHO_LIMIT else shorten(text)

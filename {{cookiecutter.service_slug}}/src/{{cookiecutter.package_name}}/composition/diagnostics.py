@@ -1,0 +1,59 @@
+"""Start-up warnings about configurations that silently lose or duplicate messages."""
+
+from __future__ import annotations
+
+import logging
+
+from ..building_blocks.unit_of_work.capture import RelayWriter
+from ..building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from ..settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def warn_about_unsafe_configuration(settings: Settings, units: UnitOfWorkFactory) -> None:
+    """Warn about configurations that silently lose or duplicate messages."""
+    bus = settings.message_bus
+    if units.outbox_enabled != bus.outbox_enabled or not isinstance(units.writer, RelayWriter):
+        log.warning(
+            "The outbox is %s by settings but the composition root wires a unit of work with "
+            "the outbox %s: domain and integration events would bypass it. Restore the "
+            "container's units_of_work provider.",
+            "ON" if bus.outbox_enabled else "OFF",
+            "ON" if units.outbox_enabled else "OFF",
+        )
+    if bus.is_broker and bus.enable_inbox is False:
+        log.warning(
+            "MESSAGE_BUS__ENABLE_INBOX=false with the %s transport: broker redeliveries will run "
+            "handlers twice unless every handler is idempotent on its own.",
+            bus.transport,
+        )
+    warn_when_replays_would_turn_stale(settings)
+    if bus.is_broker and not bus.signing_keys:
+        log.warning(
+            "No MESSAGE_BUS__SIGNING_KEYS: context headers are unsigned, so any publisher on the "
+            "broker can claim any tenant or user. Set signing keys before production."
+        )
+    elif bus.is_broker and bus.allow_unsigned:
+        log.warning(
+            "MESSAGE_BUS__ALLOW_UNSIGNED=true: messages are signed, but unsigned ones are accepted "
+            "too, so any publisher on the broker can still claim any tenant or user. Turn it off "
+            "once every producer signs."
+        )
+
+
+def warn_when_replays_would_turn_stale(settings: Settings) -> None:
+    """Consumers refuse a message older than ``INBOX__RETENTION_DAYS`` (its duplicate could no
+    longer be recognised); a dead letter replayed late in its window must not be one."""
+    inbox_days = settings.inbox.retention_days
+    dead_letter_days = settings.outbox.dead_letter_window_days
+    if inbox_days and (dead_letter_days == 0 or inbox_days <= dead_letter_days):
+        kept = "forever" if dead_letter_days == 0 else f"{dead_letter_days} days"
+        log.warning(
+            "INBOX__RETENTION_DAYS=%s does not exceed how long outbox dead letters are kept (%s): "
+            "a dead letter replayed late reaches its consumers as stale and is dead-lettered "
+            "there. Keep the inbox longer than OUTBOX__DEAD_LETTER_RETENTION_DAYS (0 = "
+            "OUTBOX__RETENTION_DAYS) plus the time a replay takes.",
+            inbox_days,
+            kept,
+        )

@@ -1,0 +1,132 @@
+"""The relay's parts: the row writer, the in-process dispatcher, the polled sources, retention
+and the PostgreSQL listener."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+
+from ..building_blocks.application.handlers import HandlerRegistry
+from ..building_blocks.application.registry import MessageRegistry
+from ..building_blocks.commands.deliverer import CommandDeliverer
+from ..building_blocks.kernel.clock import system_clock
+from ..building_blocks.kernel.metrics import RelayMetrics
+from ..building_blocks.kernel.tracing import Tracing
+from ..building_blocks.messaging.bus import MessageBus
+from ..building_blocks.messaging.direct import DirectPublisher
+from ..building_blocks.operations.retention import RetentionPolicy
+from ..building_blocks.outbox.deliverer import OutboxDeliverer
+from ..building_blocks.outbox.in_process import LocalDispatcher
+from ..building_blocks.persistence.database import Database
+from ..building_blocks.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
+from ..building_blocks.polling.listener import PostgresListener
+from ..building_blocks.polling.ports import Deliverer, SourceSettings
+from ..building_blocks.polling.source import TableSource
+from ..building_blocks.polling.wake import WakeSignal
+from ..building_blocks.unit_of_work.capture import RelayWriter, notify_channel
+from ..building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from ..settings import Settings
+
+
+def instance_id(settings: Settings) -> str:
+    return settings.application.instance_id or f"{socket.gethostname()}:{os.getpid()}"
+
+
+def build_writer(
+    settings: Settings, registry: MessageRegistry, handlers: HandlerRegistry, database: Database
+) -> RelayWriter:
+    return RelayWriter(
+        registry=registry,
+        handlers=handlers,
+        processing_delay=timedelta(seconds=settings.outbox.processing_delay_seconds),
+        lease=timedelta(seconds=settings.outbox.lease_seconds),
+        immediate_dispatch=settings.outbox.immediate_dispatch,
+        instance_id=instance_id(settings),
+        namespace=settings.application.resolved_namespace,
+        dialect=database.dialect,
+    )
+
+
+def build_dispatcher(  # noqa: PLR0917 (the container passes providers positionally)
+    settings: Settings,
+    handlers: HandlerRegistry,
+    registry: MessageRegistry,
+    metrics: RelayMetrics,
+    units: Callable[[], UnitOfWorkFactory],
+    bus: Callable[[], MessageBus],
+) -> LocalDispatcher:
+    """The in-process dispatcher; it reaches the factory and the bus through their providers
+    (they are built after it), and publishes directly only when the outbox is off."""
+    outbox = settings.outbox
+    return LocalDispatcher(
+        handlers,
+        units=units,
+        max_cascade_depth=outbox.max_cascade_depth,
+        lease_seconds=outbox.lease_seconds,
+        notify_channel=notify_channel(settings.application.resolved_namespace),
+        shutdown_timeout_seconds=outbox.shutdown_timeout_seconds,
+        publish_direct=DirectPublisher(bus, registry),
+        metrics=metrics,
+    )
+
+
+def source_settings(settings: Settings) -> SourceSettings:
+    o = settings.outbox
+    # SQLite has one writer: concurrent deliveries would only queue on its lock.
+    concurrency = o.delivery_concurrency if settings.database.is_postgresql else 1
+    return SourceSettings(
+        batch_size=o.batch_size,
+        delivery_concurrency=concurrency,
+        claim_window=o.effective_claim_window,
+        lease_seconds=o.lease_seconds,
+        max_retries=o.max_retries,
+        retry_backoff_base_seconds=o.retry_backoff_base_seconds,
+        shutdown_timeout_seconds=o.shutdown_timeout_seconds,
+    )
+
+
+def build_sources(  # noqa: PLR0917 (the container passes providers positionally)
+    settings: Settings,
+    database: Database,
+    metrics: RelayMetrics,
+    outbox_deliverer: OutboxDeliverer,
+    command_deliverer: CommandDeliverer,
+    tracing: Tracing,
+) -> list[TableSource]:
+    """The tables this process drains: internal commands always, the outbox when enabled."""
+    drained: list[tuple[PolledTable, Deliverer]] = [(INTERNAL_COMMANDS, command_deliverer)]
+    if settings.message_bus.outbox_enabled:
+        drained.insert(0, (OUTBOX, outbox_deliverer))
+    return [
+        TableSource(
+            name=polled.name,
+            table=polled.table,
+            name_column=polled.name_column,
+            deliverer=deliverer,
+            settings=source_settings(settings),
+            database=database,
+            clock=system_clock,
+            instance_id=instance_id(settings),
+            metrics=metrics,
+            tracing=tracing,
+        )
+        for polled, deliverer in drained
+    ]
+
+
+def retention_policy(settings: Settings) -> RetentionPolicy:
+    return RetentionPolicy(
+        retention_days=settings.outbox.retention_days,
+        dead_letter_days=settings.outbox.dead_letter_window_days,
+        inbox_retention_days=settings.inbox.retention_days,
+        batch_size=settings.outbox.cleanup_batch_size,
+    )
+
+
+def build_listener(settings: Settings, wake: WakeSignal) -> PostgresListener | None:
+    if not settings.database.is_postgresql:
+        return None
+    dsn = settings.database.url.replace("postgresql+asyncpg://", "postgresql://", 1)
+    return PostgresListener(dsn, notify_channel(settings.application.resolved_namespace), wake)

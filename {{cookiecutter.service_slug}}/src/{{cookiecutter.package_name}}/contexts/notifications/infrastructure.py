@@ -1,0 +1,62 @@
+"""The notifications table and its adapter."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+import sqlalchemy as sa
+from sqlmodel import Field, SQLModel, col, select
+
+from ...building_blocks.public import AdapterScope, current_context
+from .ports import Notification
+
+
+class NotificationRow(SQLModel, table=True):
+    __tablename__ = "notifications"
+    __table_args__ = (sa.Index("ix_notifications_tenant_order", "tenant_id", "order_id"),)
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    tenant_id: str | None = Field(default=None, max_length=64)
+    order_id: str = Field(max_length=64)
+    event_name: str = Field(max_length=200)
+    message_id: str = Field(max_length=128)
+    user_id: str | None = Field(default=None, max_length=128)
+    correlation_id: str | None = Field(default=None, max_length=64)
+    created_on: datetime
+
+
+class SqlNotifications:
+    """Notifications in the ``notifications`` table, scoped to the current tenant."""
+
+    def __init__(self, scope: AdapterScope) -> None:
+        self.scope = scope
+
+    def record(self, notification: Notification) -> None:
+        self.scope.session.add(
+            NotificationRow(
+                tenant_id=notification.tenant_id,
+                order_id=notification.order_id,
+                event_name=notification.event_name,
+                message_id=notification.message_id,
+                user_id=notification.user_id,
+                correlation_id=notification.correlation_id,
+                created_on=notification.created_on,
+            )
+        )
+
+    async def for_order(self, order_id: str) -> list[Notification]:
+        statement = (
+            select(NotificationRow)
+            .where(
+                NotificationRow.order_id == order_id, NotificationRow.tenant_id == current_context().tenant_id
+            )
+            .order_by(col(NotificationRow.created_on))
+        )
+        rows = (await self.scope.session.exec(statement)).all()
+        return [
+            Notification(
+                r.order_id, r.event_name, r.message_id, r.tenant_id, r.user_id, r.correlation_id, r.created_on
+            )
+            for r in rows
+        ]

@@ -1,0 +1,32 @@
+"""What the orders context contributes to the service (discovered by the container)."""
+
+from ...building_blocks.public import HandlerRegistry, Module
+from ...contracts import orders as contracts
+from . import application
+from .api import router
+from .domain import OrderCancelled, OrderPlaced
+from .infrastructure import SqlCustomerCounters, SqlOrders, SqlOrderSummaries
+from .ports import CustomerCounters, Orders, OrderSummaries
+
+
+def register_handlers(handlers: HandlerRegistry) -> None:
+    handlers.on_domain_event(OrderPlaced, application.project_order_placed)
+    handlers.on_domain_event(OrderPlaced, application.announce_order_placed)
+    handlers.on_domain_event(OrderCancelled, application.project_order_cancelled)
+    handlers.on_domain_event(OrderCancelled, application.announce_order_cancelled)
+    handlers.on_command(application.CountCustomerOrder, application.count_customer_order)
+
+
+def module() -> Module:
+    return Module(
+        name="orders",
+        messages=(OrderPlaced, OrderCancelled, application.CountCustomerOrder, *contracts.MESSAGES),
+        register_handlers=register_handlers,
+        routers=(router,),
+        adapters={
+            Orders: SqlOrders,
+            OrderSummaries: SqlOrderSummaries,
+            CustomerCounters: SqlCustomerCounters,
+        },
+        table_modules=(f"{__package__}.tables",),
+    )

@@ -1,0 +1,89 @@
+"""Every runtime knob, read from the environment (nested with ``__``, no prefix) and ``.env``.
+
+Defaults (polling 2 s, processing delay 5 s, lease 300 s, five retries,
+backoff base 10 s, batch 50, retention 7 days). The embedded default is a SQLite file and the
+in-process transport, so a fresh checkout runs with no server at all.
+
+``MESSAGE_BUS__ENABLE_OUTBOX`` and ``MESSAGE_BUS__ENABLE_INBOX`` are tri-state: unset resolves ON
+for a broker transport and OFF for the in-process one. The resolved values are exposed
+as ``outbox_enabled`` / ``inbox_enabled``; code never reads the raw fields.
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+from pydantic import model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .auth import AuthSettings
+from .bus import EXAMPLE_SIGNING_SECRET, MIN_PRODUCTION_KEY_LENGTH, MessageBusSettings
+from .relay import InboxSettings, OutboxSettings
+from .service import (
+    ApiSettings,
+    ApplicationSettings,
+    DatabaseSettings,
+    Environment,
+    LoggingSettings,
+    TelemetrySettings,
+)
+
+
+class Settings(BaseSettings):
+    """The root of every setting; build one per process in the container."""
+
+    model_config = SettingsConfigDict(
+        env_file=".env",
+        env_file_encoding="utf-8",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    environment: Environment = Environment.DEVELOPMENT
+    application: ApplicationSettings = ApplicationSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    message_bus: MessageBusSettings = MessageBusSettings()
+    outbox: OutboxSettings = OutboxSettings()
+    inbox: InboxSettings = InboxSettings()
+    auth: AuthSettings = AuthSettings()
+    api: ApiSettings = ApiSettings()
+    logging: LoggingSettings = LoggingSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+
+    @property
+    def is_production(self) -> bool:
+        return self.environment is Environment.PRODUCTION
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_combinations(self) -> Self:
+        bus = self.message_bus
+        if bus.is_broker and bus.enable_outbox is False:
+            msg = (
+                f"MESSAGE_BUS__ENABLE_OUTBOX=false is refused with the {bus.transport} transport: "
+                "integration events would bypass the outbox and be lost on a crash"
+            )
+            raise ValueError(msg)
+        if bus.signing_key_id and bus.signing_key_id not in bus.signing_keys:
+            msg = f"MESSAGE_BUS__SIGNING_KEY_ID {bus.signing_key_id!r} is not in SIGNING_KEYS"
+            raise ValueError(msg)
+        if self.is_production:
+            self.auth.refuse_in_production()
+            if bus.is_broker and not bus.signing_keys and not bus.allow_unsigned:
+                msg = (
+                    "MESSAGE_BUS__SIGNING_KEYS must be set for a broker transport in production "
+                    "(or set MESSAGE_BUS__ALLOW_UNSIGNED=true to accept unsigned context headers)"
+                )
+                raise ValueError(msg)
+            weak = sorted(
+                kid
+                for kid, secret in bus.signing_keys.items()
+                if secret.get_secret_value() == EXAMPLE_SIGNING_SECRET
+                or len(secret.get_secret_value()) < MIN_PRODUCTION_KEY_LENGTH
+            )
+            if weak:
+                msg = (
+                    f"MESSAGE_BUS__SIGNING_KEYS {', '.join(weak)}: the example key or shorter than "
+                    f"{MIN_PRODUCTION_KEY_LENGTH} characters is refused in production"
+                )
+                raise ValueError(msg)
+        return self

@@ -1,0 +1,70 @@
+"""Where the service runs: its mode, identity, database, HTTP listener, logging and tracing."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, Field
+
+from ..about import SERVICE_SLUG
+
+
+class Environment(StrEnum):
+    """Development allows conveniences (dev tokens, default secrets); production refuses them."""
+
+    DEVELOPMENT = "development"
+    PRODUCTION = "production"
+
+
+class ApplicationSettings(BaseModel):
+    """Identity of the running service."""
+
+    namespace: str = Field(default="", description="Prefix for broker names; the slug when empty")
+    instance_id: str = Field(default="", description="Processor id in leases; host:pid when empty")
+
+    @property
+    def resolved_namespace(self) -> str:
+        return self.namespace or SERVICE_SLUG
+
+
+class DatabaseSettings(BaseModel):
+    """SQLite (aiosqlite) or PostgreSQL (asyncpg), chosen by the URL."""
+
+    url: str = "sqlite+aiosqlite:///./service.db"
+    echo: bool = False
+    pool_size: int = Field(default=10, ge=1)
+    sqlite_busy_timeout_ms: int = Field(default=10_000, ge=0)
+    transient_retry_attempts: int = Field(default=3, ge=1)
+
+    @property
+    def is_postgresql(self) -> bool:
+        return self.url.startswith("postgresql")
+
+
+class ApiSettings(BaseModel):
+    """Where `run` and `api` listen, and the largest request body they read."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    max_body_bytes: int = Field(default=1_048_576, ge=1)
+
+
+class LoggingSettings(BaseModel):
+    """Plain text for people, JSON lines for machines."""
+
+    level: str = "INFO"
+    json_format: bool = False
+
+
+class Tracing(StrEnum):
+    """``none``: no spans (nothing imported); ``otel``: OpenTelemetry, exported over OTLP."""
+
+    NONE = "none"
+    OTEL = "otel"
+
+
+class TelemetrySettings(BaseModel):
+    """Tracing (metrics are always on, at ``/metrics``). The OTLP endpoint, service name and
+    sampling come from OpenTelemetry's own ``OTEL_*`` variables."""
+
+    tracing: Tracing = Tracing.NONE
