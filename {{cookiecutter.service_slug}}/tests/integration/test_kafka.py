@@ -99,6 +99,7 @@ async def test_dead_letters_are_read_oldest_first_and_stay_on_the_topic(start: S
                 key=f"key-{number}".encode(),
                 headers=[("x-message-id", f"m-{number}".encode()), ("x-error", b"boom"), ("x-null", None)],
             )
+            await asyncio.sleep(0.01)  # "oldest" across partitions is by timestamp (milliseconds)
     finally:
         await producer.stop()
     assert len([n for n in (await partitions_of([dead_letters]))[dead_letters].values() if n]) > 1
