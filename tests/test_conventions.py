@@ -37,7 +37,8 @@ def test_the_workflow_tests_every_supported_python_builds_the_image_and_has_its_
     floor = str(answers(variant)["python_version"])
     test = workflow["jobs"]["test"]
     assert test["strategy"]["matrix"]["python"] == [v for v in PYTHONS if v >= floor]
-    runs = [step.get("run", "") for step in test["steps"]]
+    runs = "\n".join(step.get("run", "") for step in test["steps"])
+    assert "test -f uv.lock ||" in runs  # a lock that was never committed fails, not re-made
     assert "make install PYTHON=python${{ matrix.python }}" in runs
     assert "make coverage" in runs
     kafka = answers(variant)["broker"] == "kafka"
