@@ -42,14 +42,18 @@ DEPENDENCY_NAMES = frozenset(
         "async_timeout",
         "asyncpg",
         "certifi",
+        "cfgv",
         "charset_normalizer",
         "click",
         "conftest",
+        "coverage",
         "dependency_injector",
+        "distlib",
         "dotenv",
         "fast_depends",
         "fastapi",
         "faststream",
+        "filelock",
         "google",
         "greenlet",
         "grimp",
@@ -57,6 +61,7 @@ DEPENDENCY_NAMES = frozenset(
         "hatchling",
         "httpcore",
         "httpx",
+        "identify",
         "idna",
         "importlinter",
         "iniconfig",
@@ -71,13 +76,17 @@ DEPENDENCY_NAMES = frozenset(
         "mypy_extensions",
         "mypyc",
         "nats",
+        "nodeenv",
         "opentelemetry",
         "packaging",
         "pamqp",
         "pathspec",
         "pip",
         "pkg_resources",
+        "platformdirs",
         "pluggy",
+        "pre_commit",
+        "pre_commit_hooks",
         "prometheus_client",
         "propcache",
         "py",
@@ -87,10 +96,13 @@ DEPENDENCY_NAMES = frozenset(
         "pygments",
         "pytest",
         "pytest_asyncio",
+        "pytest_cov",
         "pytest_timeout",
+        "python_discovery",
         "redis",
         "requests",
         "rich",
+        "ruamel",
         "ruff",
         "setuptools",
         "sqlalchemy",
@@ -101,6 +113,7 @@ DEPENDENCY_NAMES = frozenset(
         "urllib3",
         "uv",
         "uvicorn",
+        "virtualenv",
         "wheel",
         "yaml",
         "yarl",
@@ -219,8 +232,11 @@ def one_line(value: object) -> str:
     return " ".join("".join(" " if ord(c) < 0x20 or ord(c) == 0x7F else c for c in str(value)).split())
 
 
-# Machine-specific keys cookiecutter adds itself (and adds again on a replay).
-NOT_RECORDED = frozenset({"_output_dir", "_repo_dir", "_checkout"})
+# Keys that describe one run, not the answers: machine paths cookiecutter adds itself (and adds
+# again on a replay), and where the template came from and at which commit (cruft records both in
+# .cruft.json). Recorded here they changed with every template commit and every way of naming the
+# template, and a template update then conflicted on this file (`cruft update` left a .rej).
+NOT_RECORDED = frozenset({"_output_dir", "_repo_dir", "_checkout", "_template", "_commit"})
 
 
 def recorded_answers(context: Mapping[str, Any]) -> str:

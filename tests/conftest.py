@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from .support import bake
+from .support import bake, install
 
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
@@ -25,3 +25,10 @@ def bakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every variant baked once (cheap: cookiecutter renders in well under a second)."""
     root = tmp_path_factory.mktemp("bakes")
     return {name: bake(root / name, **answers) for name, answers in VARIANTS.items()}
+
+
+@pytest.fixture(scope="session")
+def shared_python(bakes: dict[str, Path]) -> Path:
+    """One environment for the static checks: the dependency list has no template branches,
+    so every variant type-checks against the same installed packages."""
+    return install(bakes["default"])

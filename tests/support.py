@@ -17,6 +17,9 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 UV = shutil.which("uv", path=str(BIN)) or shutil.which("uv")
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+# This environment's tools (uv among them) first on PATH, and never a Python download: a baked
+# service is installed on the interpreter running the tests.
+TOOLS_ENV = {"PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "UV_PYTHON_DOWNLOADS": "never"}
 
 
 def bake(output: Path, **answers: object) -> Path:
@@ -46,17 +49,12 @@ def check(command: list[str], cwd: Path, **kwargs: object) -> subprocess.Complet
 
 
 def install(project: Path) -> Path:
-    """Create ``.venv`` in a baked project with its dev extras (uv when available)."""
-    venv = project / ".venv"
-    python = venv / "bin" / "python"
+    """Create ``.venv`` in a baked project the way its users do: ``make install`` (with this
+    environment's uv on PATH: ``uv.lock`` made on the first install, then ``uv sync --locked``)."""
+    python = project / ".venv" / "bin" / "python"
     if python.exists():
         return python
-    if UV:
-        check([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], project)
-        check([UV, "pip", "install", "--quiet", "--python", str(python), "-e", ".[dev]"], project)
-    else:
-        check([sys.executable, "-m", "venv", str(venv)], project)
-        check([str(python), "-m", "pip", "install", "--quiet", "-e", ".[dev]"], project)
+    check(["make", "install", f"PYTHON={sys.executable}"], project, env=TOOLS_ENV)
     return python
 
 

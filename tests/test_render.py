@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from .conftest import VARIANTS
-from .support import check, install, load_answer_rules, text_files
+from .support import check, load_answer_rules, text_files
 
 pytestmark = pytest.mark.render
 LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
@@ -67,13 +67,6 @@ def test_compose_reads_secrets_from_env_and_publishes_on_loopback(
         assert services[name]["env_file"] == [".env"], name
         assert not GENERATED_SECRETS & set(services[name]["environment"]), name
     assert not any(secret in text for secret in PUBLISHED_SECRETS)
-
-
-@pytest.fixture(scope="session")
-def shared_python(bakes: dict[str, Path]) -> Path:
-    """One environment for the static checks: the dependency list has no template branches,
-    so every variant type-checks against the same installed packages."""
-    return install(bakes["default"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -1,9 +1,10 @@
 """Fixtures shared by every tier.
 
 Services. Tests that need PostgreSQL or a broker carry a marker (``postgres``, ``rabbitmq``,
-``nats``, ``redis``). When the service does not answer, they are skipped with the reason, or
-fail when ``REQUIRE_SERVICES=1`` (CI). Addresses come from ``TEST_POSTGRES_URL``,
-``TEST_RABBITMQ_URL``, ``TEST_NATS_URL`` and ``TEST_REDIS_URL``.
+``kafka``, ``nats``, ``redis``). When the service does not answer, they are skipped with the
+reason, or fail when ``REQUIRE_SERVICES=1`` (CI). Addresses come from ``TEST_POSTGRES_URL``,
+``TEST_RABBITMQ_URL``, ``TEST_KAFKA_URL`` (``host:port``, as ``MESSAGE_BUS__URL`` takes it),
+``TEST_NATS_URL`` and ``TEST_REDIS_URL``.
 
 Isolation. Every test gets its own database: a copy of a migrated SQLite file, or a fresh
 PostgreSQL database per test session whose tables are emptied before each test. Broker names
@@ -61,17 +62,20 @@ REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
 SERVICE_URLS = {
     "postgres": os.environ.get("TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"),
     "rabbitmq": os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    "kafka": os.environ.get("TEST_KAFKA_URL", "127.0.0.1:9092"),
     "nats": os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222"),
     "redis": os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379"),
 }
 T = TypeVar("T")
-DEFAULT_PORTS = {"postgres": 5432, "rabbitmq": 5672, "nats": 4222, "redis": 6379}
+DEFAULT_PORTS = {"postgres": 5432, "rabbitmq": 5672, "kafka": 9092, "nats": 4222, "redis": 6379}
 _reachable: dict[str, bool] = {}
 
 
 def service_reachable(name: str) -> bool:
     if name not in _reachable:
-        url = urlparse(SERVICE_URLS[name].replace("postgresql+asyncpg", "postgresql"))
+        address = SERVICE_URLS[name].replace("postgresql+asyncpg", "postgresql")
+        # Kafka's address is a bootstrap list, ``host:port[,host:port]``: try the first.
+        url = urlparse(address if "://" in address else f"//{address.split(',')[0]}")
         try:
             with socket.create_connection(
                 (url.hostname or "127.0.0.1", url.port or DEFAULT_PORTS[name]), 1.0

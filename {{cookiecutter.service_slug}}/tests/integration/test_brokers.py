@@ -1,8 +1,8 @@
-"""Integration events across real brokers (RabbitMQ, NATS JetStream, Redis Streams):
+"""Integration events across real brokers (RabbitMQ, Kafka, NATS JetStream, Redis Streams):
 outbox -> processor -> broker -> consume pipeline -> inbox -> effect.
 
-Kafka has no server on the build machines; its transport is covered with TestKafkaBroker in
-tests/unit/test_test_brokers.py.
+Kafka runs against whatever Kafka-protocol broker answers at ``TEST_KAFKA_URL``; Kafka's own
+specifics (topics, commits, partitions) are in tests/integration/test_kafka.py.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from ..tcp_proxy import TcpProxy, tcp_proxy
 pytestmark = pytest.mark.integration
 TRANSPORTS = [
     pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("kafka", marks=pytest.mark.kafka),
     pytest.param("nats", marks=pytest.mark.nats),
     pytest.param("redis", marks=pytest.mark.redis),
 ]

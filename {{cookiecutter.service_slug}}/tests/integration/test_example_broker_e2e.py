@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
     "transport",
     [
         pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+        pytest.param("kafka", marks=pytest.mark.kafka),
         pytest.param("nats", marks=pytest.mark.nats),
         pytest.param("redis", marks=pytest.mark.redis),
     ],

@@ -1,4 +1,5 @@
-"""Hostile input on the consume path of real brokers (RabbitMQ, NATS JetStream, Redis Streams).
+"""Hostile input on the consume path of real brokers (RabbitMQ, Kafka, NATS JetStream, Redis
+Streams).
 
 The messages are published raw, past the service's publisher, next to one legitimate message.
 Each hostile one must end in the consumer's dead-letter destination with its reason tag, counted;
@@ -20,7 +21,12 @@ from typing import Any
 
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import ReceivedMessage
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import (
+    ReceivedMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import (
+    KafkaDelivery,
+)
 from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import (
     NatsDelivery,
 )
@@ -116,6 +122,16 @@ def hostile_messages(container: Container, transport: str) -> HostileBatch:
     if transport == "rabbitmq":  # counters the broker writes; forged here
         batch.add("forged-x-death", LEGIT_BODY, "malformed_header", extra={"x-death": "garbage"})
         batch.add("forged-delivery-count", LEGIT_BODY, "malformed_header", extra={"x-delivery-count": "abc"})
+    if transport == "kafka":  # the attempt counter this service writes on a retry copy; forged here
+        batch.add("forged-attempt", LEGIT_BODY, "malformed_header", extra={"x-attempt": "abc"})
+        # Kafka header values are any bytes, or null.
+        batch.add(
+            "raw-bytes-headers",
+            LEGIT_BODY,
+            "unsigned",
+            signed=False,
+            extra={"x-junk": b"\xff\xfe", "x-null": None},
+        )
     return batch
 
 
@@ -167,8 +183,26 @@ async def publish_raw_redis(container: Container, messages: list[Hostile]) -> No
         await client.xadd(stream, {"__data__": data})
 
 
+async def publish_raw_kafka(container: Container, messages: list[Hostile]) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    producer = AIOKafkaProducer(bootstrap_servers=SERVICE_URLS["kafka"], max_request_size=4_000_000)
+    await producer.start()
+    try:
+        for message in messages:
+            headers = [
+                (name, value if value is None or isinstance(value, bytes) else str(value).encode())
+                for name, value in message.headers.items()
+            ]
+            await producer.send_and_wait(names.channel(EVENT), message.body, headers=headers)
+    finally:
+        await producer.stop()
+
+
 PUBLISH_RAW: dict[str, Callable[[Container, list[Hostile]], Awaitable[None]]] = {
     "rabbitmq": publish_raw_rabbitmq,
+    "kafka": publish_raw_kafka,
     "nats": publish_raw_nats,
     "redis": publish_raw_redis,
 }
@@ -269,8 +303,34 @@ async def redis_leftovers(container: Container) -> dict[str, int]:
         await client.aclose()
 
 
+async def kafka_leftovers(container: Container) -> dict[str, int]:
+    """Records of the main and retry topics past the consumer group's committed offsets (Kafka
+    acknowledges by committing an offset: a record left behind is one never acknowledged)."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    names = container.bus().names  # type: ignore[attr-defined]
+    topics = (names.channel(EVENT), names.retry_queue(CONSUMER))
+    # A member of the group that subscribes to nothing: it only reads the group's offsets.
+    reader = AIOKafkaConsumer(bootstrap_servers=SERVICE_URLS["kafka"], group_id=names.queue(CONSUMER))
+    await reader.start()
+    try:
+        await reader.topics()
+        partitions = [
+            TopicPartition(topic, p) for topic in topics for p in reader.partitions_for_topic(topic) or ()
+        ]
+        assert {tp.topic for tp in partitions} == set(topics)  # or nothing would be counted
+        ends = await reader.end_offsets(partitions)
+        left = dict.fromkeys(topics, 0)
+        for tp, end in ends.items():
+            left[tp.topic] += end - (await reader.committed(tp) or 0)
+    finally:
+        await reader.stop()
+    return left
+
+
 LEFTOVERS: dict[str, Callable[[Container], Awaitable[dict[str, int]]]] = {
     "rabbitmq": rabbitmq_leftovers,
+    "kafka": kafka_leftovers,
     "nats": nats_leftovers,
     "redis": redis_leftovers,
 }
@@ -372,7 +432,12 @@ async def test_an_acknowledgement_that_fails_once_leaves_nothing_unacknowledged(
     assert counted(container, "inbox_dead_letters_total", "internal_error") == 0
 
 
-DELIVERIES = {"rabbitmq": RabbitDelivery, "nats": NatsDelivery, "redis": RedisDelivery}
+DELIVERIES = {
+    "rabbitmq": RabbitDelivery,
+    "kafka": KafkaDelivery,
+    "nats": NatsDelivery,
+    "redis": RedisDelivery,
+}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -33,7 +33,7 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as, make_settings
+from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as, eventually, make_settings
 from ..kit import Counter, CounterChangedV1, Counters, Created, install_kit
 from ..tcp_proxy import tcp_proxy
 from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
@@ -604,7 +604,14 @@ async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container)
     ids = await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
     source = outbox_source(container, ScriptedDeliverer(fail), batch_size=2, retry_backoff_base_seconds=60)
     loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
-    await run_loop_for(loop, 1.0)
+    task = asyncio.create_task(loop.run())
+    try:
+        await eventually(lambda: loop.cycles >= 1, timeout=30)  # slow on a loaded machine
+        await asyncio.sleep(1.0)  # a loop that swept on would have run again by now
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
     assert loop.cycles == 1
     charged = [(await state(container, row_id)).retry_count for row_id in ids]
     assert sorted(charged) == [0, 0, 0, 1, 1]

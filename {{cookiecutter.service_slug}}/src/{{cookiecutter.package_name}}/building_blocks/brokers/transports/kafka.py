@@ -24,8 +24,16 @@ missing, with ``MESSAGE_BUS__KAFKA_TOPIC_PARTITIONS`` and ``..._KAFKA_REPLICATIO
 (``MESSAGE_BUS__KAFKA_CREATE_TOPICS=false`` where a platform team owns topics). An existing topic
 is never altered.
 
-Tested with FastStream's TestKafkaBroker and a fake admin client only (no Kafka server on the
-build machines): the topic declaration and the retry topics have not met a real cluster here.
+Dead letters are read back (:meth:`KafkaTransport.dead_letters`) without a consumer group:
+nothing is committed, so a dead letter stays on ``<group>.dlq`` for the topic's retention.
+
+Subscribers start together, not one after another as FastStream starts them: each waits until
+its consumer group has assigned it partitions, and a broker holds a group's join for a while
+(Kafka's ``group.initial.rebalance.delay.ms``, 3 s by default), so a service with n consumers
+(two subscribers each) waited 2n join rounds before it consumed anything.
+
+Tested against a Kafka-protocol broker (the generated suite's ``kafka`` marker) and with
+FastStream's TestKafkaBroker and a fake admin client (tests/unit/test_test_brokers.py).
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import NewTopic
 from aiokafka.errors import (
     KafkaConnectionError,
@@ -54,7 +63,7 @@ from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
 from .base import FastStreamTransport
-from .headers import fallback_parser, undecoded_body
+from .headers import as_text, fallback_parser, undecoded_body
 from .kafka_delivery import NOT_BEFORE, KafkaDelivery, readable_headers, retry_wait
 from .kafka_topics import TOPIC_EXISTS, KafkaAdmin, KafkaTopologyError, aiokafka_admin
 from .ports import DeadLetterCopy, DeliveryHandler
@@ -162,10 +171,32 @@ class KafkaTransport(FastStreamTransport):
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # topics belong to the cluster's administration
 
+    async def start_consuming(self) -> None:
+        """FastStream's ``broker.start()`` with the subscribers started together (see the module)."""
+        await self.broker.connect()
+        await asyncio.gather(*(subscriber.start() for subscriber in self.broker.subscribers))
+        for publisher in self.broker.publishers:
+            await publisher.start()
+        self.broker.running = True
+
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
-        del consumer, limit
-        msg = "read Kafka dead letters with a consumer on the <group>.dlq topic (kafka-console-consumer)"
-        raise NotImplementedError(msg)
+        """The oldest ``limit`` records of the consumer's ``<group>.dlq``, read from the start of
+        every partition without a group (nothing committed, nothing removed)."""
+        topic = self._names.dead_letters(consumer.name)
+        reader = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
+        await reader.start()
+        try:
+            records = await _read_to_end(reader, topic, limit, self._settings.publish_timeout_seconds)
+        finally:
+            await reader.stop()
+        records.sort(key=lambda record: (record.timestamp, record.partition, record.offset))
+        return [
+            DeadLetterCopy(
+                as_text({name: b"" if value is None else value for name, value in record.headers}),
+                record.value or b"",
+            )
+            for record in records[:limit]
+        ]
 
     def is_outage(self, error: BaseException) -> bool:
         return isinstance(
@@ -179,3 +210,28 @@ class KafkaTransport(FastStreamTransport):
             key=envelope.ordering_key.encode() if envelope.ordering_key else None,
             headers=headers,
         )
+
+
+async def _read_to_end(reader: AIOKafkaConsumer, topic: str, limit: int, seconds: float) -> list[Any]:
+    """Up to ``limit`` records of each partition of ``topic``, from its start to the end offset
+    it had when reading began (records written meanwhile wait for the next read). Returns what
+    it has after ``seconds`` at the latest; an unknown topic has no records."""
+    if topic not in await reader.topics():
+        return []
+    partitions = [TopicPartition(topic, p) for p in sorted(reader.partitions_for_topic(topic) or ())]
+    reader.assign(partitions)
+    await reader.seek_to_beginning(*partitions)
+    ends = await reader.end_offsets(partitions)
+    counts = dict.fromkeys(partitions, 0)
+    records: list[Any] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        unread = [tp for tp in partitions if counts[tp] < limit and await reader.position(tp) < ends[tp]]
+        if not unread:
+            break
+        batches = await reader.getmany(*unread, timeout_ms=200, max_records=limit)
+        for tp, batch in batches.items():
+            taken = [record for record in batch if record.offset < ends[tp]][: limit - counts[tp]]
+            counts[tp] += len(taken)
+            records += taken
+    return records

@@ -1,0 +1,76 @@
+"""Tier 3, generated: the dependency floors are true, and both install paths give the locked set.
+
+``--resolution lowest-direct`` installs every direct dependency (runtime and the ``dev`` group)
+at the lowest version ``pyproject.toml`` allows; the unit and architecture tiers and ruff must
+pass there, so a floor cannot claim more than the code supports. The plain-pip path of
+``make install`` (for machines without uv) must install the versions of ``uv.lock``."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from .support import TOOLS_ENV, UV, bake, check
+
+pytestmark = pytest.mark.generated
+
+
+def installed_versions(python: Path, project: Path) -> dict[str, Version]:
+    listing = check([str(UV), "pip", "list", "--python", str(python), "--format", "json"], project)
+    return {canonicalize_name(p["name"]): Version(p["version"]) for p in json.loads(listing.stdout)}
+
+
+def floors(project: Path) -> dict[str, Version]:
+    """Every direct dependency's lower bound (each one must have one)."""
+    pyproject = tomllib.loads((project / "pyproject.toml").read_text())
+    requirements = [*pyproject["project"]["dependencies"], *pyproject["dependency-groups"]["dev"]]
+    found = {}
+    for requirement in map(Requirement, requirements):
+        (floor,) = [s.version for s in requirement.specifier if s.operator == ">="]
+        found[canonicalize_name(requirement.name)] = Version(floor)
+    return found
+
+
+def test_the_service_passes_its_unit_and_architecture_tiers_at_its_lowest_direct_versions(
+    tmp_path: Path,
+) -> None:
+    project = bake(tmp_path)
+    python = project / ".venv" / "bin" / "python"
+    check([str(UV), "venv", "--quiet", "--python", sys.executable, ".venv"], project, env=TOOLS_ENV)
+    install = [str(UV), "pip", "install", "--quiet", "--python", str(python), "--resolution", "lowest-direct"]
+    check([*install, "-e", ".", "--group", "dev"], project, env=TOOLS_ENV)
+    installed = installed_versions(python, project)
+    wanted = floors(project)
+    assert {name: installed[name] for name in wanted} == wanted  # each at its floor, none above
+    bin_dir = python.parent
+    check([str(bin_dir / "ruff"), "check", "."], project)
+    check([str(bin_dir / "ruff"), "format", "--check", "."], project)
+    tiers = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "unit or architecture"]
+    result = check(tiers, project, timeout=900)
+    print(result.stdout[-1500:])
+
+
+def test_without_uv_make_install_uses_pip_and_the_versions_of_the_lock(tmp_path: Path) -> None:
+    project = bake(tmp_path)
+    check([str(UV), "lock", "--quiet", "--python", sys.executable], project, env=TOOLS_ENV)
+    locked = {
+        canonicalize_name(p["name"]): Version(p["version"])
+        for p in tomllib.loads((project / "uv.lock").read_text())["package"]
+        if "registry" in p["source"]
+    }
+    check(["make", "install", "UV=", f"PYTHON={sys.executable}"], project, timeout=900)
+    python = project / ".venv" / "bin" / "python"
+    pip_list = check([str(python), "-m", "pip", "list", "--format", "json"], project)
+    installed = {canonicalize_name(p["name"]): Version(p["version"]) for p in json.loads(pip_list.stdout)}
+    expected = {"faststream", "fastapi", "sqlalchemy", "pytest", "mypy", "pre-commit", "aiokafka"}
+    assert {name: installed[name] for name in expected} == {name: locked[name] for name in expected}
+    differing = {n: (installed[n], v) for n, v in locked.items() if n in installed and installed[n] != v}
+    assert differing == {}
+    check([str(python), "-c", "import order_service.container"], project)
