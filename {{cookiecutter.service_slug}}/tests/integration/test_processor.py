@@ -551,6 +551,47 @@ async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container
     assert (await state(container, broken)).processed_on is None
 
 
+async def test_a_row_that_became_due_after_the_claim_looked_is_due_at_once(container: Container) -> None:
+    """A lease or a delay that runs out while a slow cycle delivers was not seen by its claim:
+    the loop must poll again at once, not sleep its fallback interval (seen in CI: 30 s)."""
+    clock = FakeClock()
+    lease_end, delay_end = clock.now + timedelta(seconds=0.5), clock.now + timedelta(seconds=0.7)
+    leased, delayed = await insert_rows(
+        container,
+        [
+            row("kit.a.v1", clock.now, lock_token=uuid.uuid4(), locked_until=lease_end),
+            row("kit.b.v1", clock.now, available_on=delay_end),
+        ],
+    )
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    assert (await source.run_cycle()).completed == 0
+    clock.advance(1.0)  # the cycle was slow: both ran out before it ended
+    due = await source.next_due()
+    assert due is not None, "the loop would sleep its whole interval"
+    assert due <= clock.now
+    assert (await source.run_cycle()).completed == 2
+    assert (await state(container, leased)).processed_on is not None
+    assert (await state(container, delayed)).processed_on is not None
+
+
+async def test_a_row_the_claim_saw_and_left_does_not_make_the_loop_spin(container: Container) -> None:
+    """A key whose head is leased elsewhere blocks its follower: the follower, due long ago, must
+    not make the loop poll again at once; the head's lease end is the next moment."""
+    clock = FakeClock()
+    lease_end = clock.now + timedelta(seconds=30)
+    await insert_rows(
+        container,
+        [
+            row("kit.k.v1", clock.now, key="k", lock_token=uuid.uuid4(), locked_until=lease_end),
+            row("kit.k.v1", clock.now, key="k"),
+        ],
+    )
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    assert (await source.run_cycle()).claimed == 0
+    clock.advance(1.0)
+    assert await source.next_due() == lease_end
+
+
 async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: Container) -> None:
     (row_id,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
     attempts: list[float] = []

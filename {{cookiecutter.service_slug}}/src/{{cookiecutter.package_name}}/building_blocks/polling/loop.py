@@ -58,7 +58,8 @@ class PolledSource(Protocol):
         ...
 
     async def next_due(self) -> datetime | None:
-        """When the next not-yet-eligible row becomes eligible (None when nothing waits)."""
+        """When the next row the last claim could not take becomes eligible (None when nothing
+        waits); a moment already past means "poll again now"."""
         ...
 
 

@@ -73,6 +73,7 @@ class TableSource:
             rng=rng or random.Random(),  # noqa: S311 (jitter spaces retries; no security use)
         )
         self._shutdown = self._new_shutdown()
+        self._last_claim_at: datetime | None = None
 
     def _new_shutdown(self) -> CycleShutdown:
         return CycleShutdown(
@@ -86,6 +87,7 @@ class TableSource:
 
     async def claim(self, token: uuid.UUID) -> list[ClaimedRow]:
         now = self._clock()
+        self._last_claim_at = now
         lease_until = now + timedelta(seconds=self.settings.lease_seconds)
         async with self._db.bookkeeping() as connection:
             rows = await self._claimer.claim(
@@ -205,13 +207,20 @@ class TableSource:
     # -- smart wait ------------------------------------------------------------------------
 
     async def next_due(self) -> datetime | None:
-        """The earliest future moment a pending row becomes claimable (backoff or delay)."""
-        now = self._clock()
+        """The earliest moment a pending row the last claim could not take becomes claimable.
+
+        The bound is the moment of the last claim, not "now": a backoff or delay that ran out
+        while a slow cycle was delivering was not seen by that claim, so the row is due at once
+        (a lower bound of "now" would miss it and the loop would sleep the whole fallback
+        interval). A row the claim saw and left (leased elsewhere, or waiting) is due only at
+        its own time, so it cannot make the loop spin.
+        """
+        seen_until = self._last_claim_at or self._clock()
         t = self.table.c
         pending = sa.and_(t.processed_on.is_(None), t.dead_lettered_on.is_(None))
-        leased = sa.select(sa.func.min(t.locked_until)).where(pending, t.locked_until > now)
+        leased = sa.select(sa.func.min(t.locked_until)).where(pending, t.locked_until > seen_until)
         waiting = sa.select(sa.func.min(t.available_on)).where(
-            pending, t.locked_until.is_(None), t.available_on > now
+            pending, t.locked_until.is_(None), t.available_on > seen_until
         )
         async with self._db.bookkeeping() as connection:
             first = (await connection.execute(leased)).scalar_one_or_none()
