@@ -71,7 +71,12 @@ class NatsTransport(FastStreamTransport):
         async def on_message(message: NatsMessage) -> None:
             await handler(
                 NatsDelivery(
-                    message, broker, dlq_subject=dlq_subject, dlq_stream=self._dead_letters, delay=delay
+                    message,
+                    broker,
+                    dlq_subject=dlq_subject,
+                    dlq_stream=self._dead_letters,
+                    delay=delay,
+                    publish_timeout=self._settings.publish_timeout_seconds,
                 )
             )
 

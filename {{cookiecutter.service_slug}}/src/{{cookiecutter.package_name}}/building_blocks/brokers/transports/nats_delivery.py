@@ -15,13 +15,21 @@ ACK_WAIT_SECONDS = 30
 
 class NatsDelivery(ReceivedMessage):
     def __init__(
-        self, message: NatsMessageType, broker: NatsBroker, *, dlq_subject: str, dlq_stream: str, delay: float
+        self,
+        message: NatsMessageType,
+        broker: NatsBroker,
+        *,
+        dlq_subject: str,
+        dlq_stream: str,
+        delay: float,
+        publish_timeout: float,
     ) -> None:
         super().__init__(message)
         self._broker = broker
         self._dlq_subject = dlq_subject
         self._dlq_stream = dlq_stream
         self._delay = delay
+        self._publish_timeout = publish_timeout
 
     async def attempt(self) -> int:
         try:
@@ -47,5 +55,13 @@ class NatsDelivery(ReceivedMessage):
             ).items()
             if not k.startswith("Nats-")
         }
-        await self._broker.publish(self.body, self._dlq_subject, headers=headers, stream=self._dlq_stream)
+        # The service's publish timeout, not FastStream's 0.5 s default: a busy server that
+        # answers late would otherwise fail the copy and send the message round again.
+        await self._broker.publish(
+            self.body,
+            self._dlq_subject,
+            headers=headers,
+            stream=self._dlq_stream,
+            timeout=self._publish_timeout,
+        )
         await self._message.ack()

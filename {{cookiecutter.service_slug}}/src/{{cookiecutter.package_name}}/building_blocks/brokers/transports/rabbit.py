@@ -79,10 +79,11 @@ class RabbitTransport(FastStreamTransport):
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
         main, _, dlq = self._queues(consumer)
         broker = self.broker
+        timeout = self._settings.publish_timeout_seconds
 
         @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL, decoder=undecoded_body)
         async def on_message(message: RabbitMessage) -> None:
-            await handler(RabbitDelivery(message, broker, main.name, dlq.name))
+            await handler(RabbitDelivery(message, broker, main.name, dlq.name, publish_timeout=timeout))
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         exchange = await self.broker.declare_exchange(self._exchange)

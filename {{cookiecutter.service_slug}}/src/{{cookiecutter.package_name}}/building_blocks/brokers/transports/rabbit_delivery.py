@@ -14,11 +14,14 @@ from .headers import broker_count, dead_letter_headers
 
 
 class RabbitDelivery(ReceivedMessage):
-    def __init__(self, message: RabbitMessageType, broker: RabbitBroker, main: str, dlq: str) -> None:
+    def __init__(
+        self, message: RabbitMessageType, broker: RabbitBroker, main: str, dlq: str, *, publish_timeout: float
+    ) -> None:
         super().__init__(message, message.raw_message.headers or {})  # x-death stays a list
         self._broker = broker
         self._main = main
         self._dlq = dlq
+        self._publish_timeout = publish_timeout
 
     async def attempt(self) -> int:
         """Rejections counted in ``x-death`` plus crash redeliveries (``x-delivery-count``), plus
@@ -46,5 +49,6 @@ class RabbitDelivery(ReceivedMessage):
             persist=True,
             content_type=self._message.content_type or "application/json",
             message_id=self._message.message_id,  # the AMQP property as it came (a short string)
+            timeout=self._publish_timeout,  # the confirm wait, bounded as every other publish
         )
         await self._message.ack()
