@@ -7,7 +7,7 @@ both. ``seq`` is a monotonic per-row sequence (an identity column on PostgreSQL,
 SQLite's single writer): ordering keys are ordered by it, never by a timestamp that can tie.
 
 The partial indexes cover only pending rows (neither processed nor dead-lettered), so retained
-history never slows the claim; see ``outbox/claim.py`` for the statement that uses them.
+history never slows the claim; see ``polling/claim.py`` for the statement that uses them.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ class NatsDelivery(ReceivedMessage):
         self._dlq_subject = dlq_subject
         self._dlq_stream = dlq_stream
         self._delay = delay
-        self._publish_timeout = publish_timeout
+        self._timeout = publish_timeout
 
     async def attempt(self) -> int:
         try:
@@ -48,20 +48,10 @@ class NatsDelivery(ReceivedMessage):
         await self._message.in_progress()
 
     async def dead_letter(self, error: str, attempt: int) -> None:
-        headers = {
-            k: v
-            for k, v in dead_letter_headers(
-                self.headers, error, attempt, self._message.raw_message.subject
-            ).items()
-            if not k.startswith("Nats-")
-        }
-        # The service's publish timeout, not FastStream's 0.5 s default: a busy server that
-        # answers late would otherwise fail the copy and send the message round again.
+        copied = dead_letter_headers(self.headers, error, attempt, self._message.raw_message.subject)
+        headers = {k: v for k, v in copied.items() if not k.startswith("Nats-")}
+        # FastStream waits 0.5 s for the ack unless told: a busy server's late ack failed the copy.
         await self._broker.publish(
-            self.body,
-            self._dlq_subject,
-            headers=headers,
-            stream=self._dlq_stream,
-            timeout=self._publish_timeout,
+            self.body, self._dlq_subject, headers=headers, stream=self._dlq_stream, timeout=self._timeout
         )
         await self._message.ack()
