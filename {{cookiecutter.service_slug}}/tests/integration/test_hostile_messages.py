@@ -343,8 +343,9 @@ def counted(container: Container, metric: str, reason: str) -> float:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_hostile_messages_are_dead_lettered_with_their_reason_and_none_stays_pending(
-    start: Start, transport: str
+    start: Start, transport: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Each ends acknowledged: dead-lettered with its reason tag, counted and logged once."""
     container, observer = await start(transport)
     batch = hostile_messages(container, transport)
     await PUBLISH_RAW[transport](container, batch.messages)
@@ -370,6 +371,8 @@ async def test_hostile_messages_are_dead_lettered_with_their_reason_and_none_sta
         expected = sum(1 for m in batch.messages if m.reason == reason)
         assert counted(container, "inbox_rejected_total", reason) == expected, reason
         assert counted(container, "inbox_dead_letters_total", reason) == expected, reason
+    logged = [r for r in caplog.records if "rejected and dead-lettered" in r.getMessage()]
+    assert len(logged) == len(batch.messages)  # an entry with no readable id is logged as "?"
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -1,8 +1,8 @@
 """The FastStream transport for all four brokers, on FastStream's in-memory test brokers.
 
-Fast, and the only tier for Kafka (no Kafka server on the build machines). Redelivery timing,
-dead-letter destinations and crash behaviour need real brokers: see
-tests/integration/test_brokers.py.
+Fast, and runs without any broker. Redelivery timing, dead-letter destinations and crash
+behaviour need real brokers: see tests/integration/test_brokers.py (Kafka included, against
+``TEST_KAFKA_URL``).
 """
 
 from __future__ import annotations
