@@ -12,15 +12,26 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from ..domain.events import DomainEvent, Message
 from .handler_types import Consumer, Handler, M
 from .messages import IntegrationEvent, InternalCommand
 
+K = TypeVar("K", bound=Message)
+
 
 class HandlerRegistryError(Exception):
     """Handlers are registered inconsistently (raised at start-up)."""
+
+
+def _checked(message_type: type[Message], kind: type[K]) -> type[K]:
+    """message_type as a kind, or a registration error naming both."""
+    if not issubclass(message_type, kind):
+        article = "an" if kind.__name__[0] in "AEIOU" else "a"
+        msg = f"{message_type.__qualname__} is not {article} {kind.__name__}"
+        raise HandlerRegistryError(msg)
+    return message_type
 
 
 class HandlerRegistry:
@@ -32,28 +43,21 @@ class HandlerRegistry:
         self._commands: dict[type[InternalCommand], Handler[Any]] = {}
 
     def on_domain_event(self, event_type: type[M], handler: Handler[M]) -> None:
-        if not issubclass(event_type, DomainEvent):
-            msg = f"{event_type.__qualname__} is not a DomainEvent"
-            raise HandlerRegistryError(msg)
-        self._domain[event_type].append(handler)
+        self._domain[_checked(event_type, DomainEvent)].append(handler)
 
     def consume(self, name: str, event_type: type[M], handler: Handler[M]) -> None:
-        if not issubclass(event_type, IntegrationEvent):
-            msg = f"{event_type.__qualname__} is not an IntegrationEvent"
-            raise HandlerRegistryError(msg)
+        _checked(event_type, IntegrationEvent)
         if name in self._consumers:
             msg = f"consumer name {name!r} is registered twice"
             raise HandlerRegistryError(msg)
         self._consumers[name] = Consumer(name, event_type, handler)
 
     def on_command(self, command_type: type[M], handler: Handler[M]) -> None:
-        if not issubclass(command_type, InternalCommand):
-            msg = f"{command_type.__qualname__} is not an InternalCommand"
+        command = _checked(command_type, InternalCommand)
+        if command in self._commands:
+            msg = f"{command.__qualname__} already has a handler"
             raise HandlerRegistryError(msg)
-        if command_type in self._commands:
-            msg = f"{command_type.__qualname__} already has a handler"
-            raise HandlerRegistryError(msg)
-        self._commands[command_type] = handler
+        self._commands[command] = handler
 
     def domain_handlers(self, event_type: type[Message]) -> Sequence[Handler[Any]]:
         return tuple(self._domain.get(event_type, ()))  # type: ignore[arg-type]
