@@ -459,7 +459,13 @@ async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(
         return Delivered.NEEDS_STAMP
 
     # One row at a time, so the third row is genuinely "not reached" when the shutdown comes.
-    source = outbox_source(container, ScriptedDeliverer(hangs_on_the_second), clock, delivery_concurrency=1)
+    source = outbox_source(
+        container,
+        ScriptedDeliverer(hangs_on_the_second),
+        clock,
+        delivery_concurrency=1,
+        shutdown_timeout_seconds=0.5,  # the hung delivery is cut short at this deadline
+    )
     cycle = asyncio.create_task(source.run_cycle())
     await asyncio.wait_for(second_started.wait(), 10)
     cycle.cancel()
@@ -470,6 +476,31 @@ async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(
     for untouched in (interrupted, unreached):
         assert (untouched.processed_on, untouched.lock_token, untouched.locked_until) == (None, None, None)
         assert (untouched.retry_count, untouched.last_error) == (0, None)
+
+
+async def test_a_delivery_in_flight_at_shutdown_finishes_and_is_stamped(container: Container) -> None:
+    """A publish under way when the process is told to stop runs on (within the shutdown
+    timeout) and its stamp is written: cancelled, the broker could hold a message whose row the
+    next worker sends again. The row the cycle had not reached is released untouched."""
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
+    publishing = asyncio.Event()
+
+    async def slow_publish(claimed: ClaimedRow) -> Delivered:
+        if claimed.id == ids[0]:
+            publishing.set()
+            await asyncio.sleep(0.3)  # a broker confirm on its way
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(slow_publish), clock, delivery_concurrency=1)
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(publishing.wait(), 10)
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    published, unreached = [await state(container, i) for i in ids]
+    assert published.processed_on is not None
+    assert (unreached.processed_on, unreached.lock_token, unreached.retry_count) == (None, None, 0)
 
 
 async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Container) -> None:

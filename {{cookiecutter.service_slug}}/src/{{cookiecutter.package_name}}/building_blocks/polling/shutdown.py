@@ -1,9 +1,9 @@
 """What one cycle does when the process stops in the middle of it (a cancellation).
 
-Nothing is charged. An outcome already being written is finished; rows the cycle never reached
-are released at once, beside those writes (a write that hangs must not use up the time their
-release needs); then the rows whose delivery was interrupted are released too, claimable again
-at once. Everything shares one deadline (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's
+Nothing is charged. Deliveries already started run on and write their outcomes; rows the cycle
+never reached are released at once, beside them (a delivery or write that hangs must not use up
+the time their release needs); halfway to the deadline what still runs is cancelled and its rows
+are released too, claimable again at once. Everything shares one deadline (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's
 wait of the shutdown timeout covers all a cycle does. Every release is token-guarded: a row
 whose outcome was written no longer matches.
 """
@@ -61,11 +61,22 @@ class CycleShutdown:
         started: Collection[uuid.UUID],
         token: uuid.UUID,
     ) -> None:
-        """Cancel the deliveries; release the unreached rows beside the writes, then the rest."""
-        for task in tasks:
+        """Let the started deliveries finish within half the deadline while the unreached rows
+        are released; then cancel what still runs and release those rows too.
+
+        A publish is cut short only at the deadline: cancelled earlier, a message the broker
+        already holds would be left unstamped and sent again by the next worker.
+        """
+        waiting = [task for task, row in zip(tasks, rows, strict=True) if row.id not in started]
+        for task in waiting:  # not started: blocked on the concurrency gate, they never begin
             task.cancel()
         unreached = [row for row in rows if row.id not in started]
-        await asyncio.gather(self.release(unreached, token), *tasks, return_exceptions=True)
+        # Half the time for the deliveries, so the release of what they leave still fits.
+        remaining = max(0.0, self.deadline() - asyncio.get_running_loop().time())
+        await asyncio.gather(self.release(unreached, token), asyncio.wait(tasks, timeout=remaining / 2))
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.release([row for row in rows if row.id in started], token)
 
     async def release(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> None:
