@@ -61,6 +61,20 @@ EFFECTS = sa.Table(
     sa.Column("label", sa.String(200), nullable=False),
     sa.Column("tenant_id", sa.String(64)),
 )
+RECEIVED = sa.Table(  # what a consumer of the reliability scenarios saw, one row per handler run
+    "kit_received",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("label", sa.String(200), nullable=False),  # not unique: a duplicate must show
+    sa.Column("ordering_key", sa.String(200)),
+    sa.Column("value", sa.BigInteger, nullable=False),
+    sa.Column("tenant_id", sa.String(64)),
+    sa.Column("user_id", sa.String(64)),
+    sa.Column("roles", sa.String(200)),
+    sa.Column("correlation_id", sa.String(64)),
+    sa.Column("worker", sa.String(64), nullable=False),
+    sa.Column("received_at", sa.Float, nullable=False),
+)
 
 
 @dataclass(frozen=True, kw_only=True)

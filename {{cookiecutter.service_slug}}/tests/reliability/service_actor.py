@@ -1,0 +1,209 @@
+"""One worker process of the real service, as the conformance scenarios start it
+(``python -m tests.reliability.service_actor --db URL --transport rabbitmq ...``).
+
+It is the service's own ``worker`` command (``run_worker``: processors, consumers, the LISTEN
+connection, SIGTERM handling) on the real database and broker, with the test kit registered and
+one consumer (``LEDGER``), whose handler writes what it saw (label, tenant, user, roles,
+correlation) into ``kit_received`` in the handler's own transaction: an effect, exactly as a
+user's handler would have one, so a duplicate effect or a lost message shows in that table.
+
+Faults are injected at seams the service owns, never by changing its code:
+``--crash-after-publish N`` ends the process (``os._exit``, no cleanup) right after the N-th
+publish the broker confirmed, before the processed stamp; ``--poison-file PATH`` makes the
+publish of every event valued ``RELAY_POISON`` fail while that file exists (a bug that a later
+deploy fixes). ``--status PATH`` receives the process's counters (claims and the service's own
+metrics) every 200 ms, so a scenario can tell a paused relay from a spinning one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    current_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    TableSource,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
+
+from ..conftest import make_settings
+from ..integration.test_brokers import CONSUMER
+from ..kit import RECEIVED, CounterChangedV1, install_kit
+
+LEDGER = CONSUMER  # the hostile-message helpers of the broker tests read this consumer's letters
+RELAY_POISON = -1  # an event whose publish fails while the poison file exists
+HANDLER_POISON = -7777  # an event whose consumer handler always fails (dead-lettered by the bus)
+CRASHED_AFTER_PUBLISH = 9  # the exit status of --crash-after-publish
+
+
+def ledger_handler(worker: str) -> Callable[[CounterChangedV1, SqlUnitOfWork], Awaitable[None]]:
+    async def handler(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
+        if event.value == HANDLER_POISON:
+            msg = "a handler that fails on this message every time"
+            raise RuntimeError(msg)
+        context = current_context()
+        await uow.session.exec(  # type: ignore[call-overload]
+            sa.insert(RECEIVED).values(
+                label=event.counter_id,
+                ordering_key=event.aggregate_id,
+                value=event.value,
+                tenant_id=context.tenant_id,
+                user_id=context.user_id,
+                roles=",".join(context.roles),
+                correlation_id=context.correlation_id,
+                worker=worker,
+                received_at=time.time(),
+            )
+        )
+
+    return handler
+
+
+def build(args: argparse.Namespace) -> Container:
+    return build_container(
+        make_settings(
+            args.db,
+            application={"namespace": args.namespace, "instance_id": args.name},
+            message_bus={
+                "transport": args.transport,
+                "url": args.url,
+                "max_delivery_attempts": 3,
+                "redelivery_delay_seconds": 0.2,
+                "circuit_reset_seconds": 1.0,
+            },
+            outbox={
+                "lease_seconds": args.lease,
+                "batch_size": args.batch,
+                "max_retries": args.max_retries,
+                "retry_backoff_base_seconds": args.backoff,
+                "polling_interval_seconds": args.interval,
+                "shutdown_timeout_seconds": args.shutdown_timeout,
+            },
+        )
+    )
+
+
+class Faults:
+    """The injected faults of one process, wrapped around the real outbox deliverer."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.crash_after = args.crash_after_publish
+        self.poison_file = Path(args.poison_file) if args.poison_file else None
+        self.published = 0
+
+    def wrap(self, deliver: Callable[[ClaimedRow, uuid.UUID], Awaitable[Delivered]]) -> Any:
+        async def faulty(row: ClaimedRow, token: uuid.UUID) -> Delivered:
+            poisoned = self.poison_file is not None and self.poison_file.exists()
+            if poisoned and row.payload.get("value") == RELAY_POISON:
+                msg = "poison event (the bug a later deploy fixes)"
+                raise ValueError(msg)
+            result = await deliver(row, token)
+            self.published += 1
+            if self.crash_after and self.published >= self.crash_after:
+                print("crashing after a confirmed publish", flush=True)
+                os._exit(CRASHED_AFTER_PUBLISH)  # no stamp, no cleanup: the crash under test
+            return result
+
+        return faulty
+
+
+class Counters:
+    """Claims counted per process, written with the service's metrics to the status file."""
+
+    def __init__(self, container: Container, path: Path | None) -> None:
+        self.claims = 0
+        self.container = container
+        self.path = path
+
+    def count_claims(self, source: TableSource) -> None:
+        claim = source.claim
+
+        async def counted(token: uuid.UUID) -> list[ClaimedRow]:
+            self.claims += 1
+            return await claim(token)
+
+        source.claim = counted  # type: ignore[method-assign]
+
+    def snapshot(self) -> dict[str, float]:
+        registry = self.container.metrics().registry
+        figures: dict[str, float] = {"claims": self.claims}
+        for metric in registry.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    figures[sample.name] = figures.get(sample.name, 0.0) + sample.value
+        return figures
+
+    async def write_every(self, seconds: float) -> None:
+        if self.path is None:
+            return
+        partial = self.path.with_suffix(".tmp")
+        while True:
+            partial.write_text(json.dumps(self.snapshot()))
+            partial.replace(self.path)  # atomic: a reader never sees half a file
+            await asyncio.sleep(seconds)
+
+
+async def work(args: argparse.Namespace) -> None:
+    container = build(args)
+    await install_kit(container, create_tables=False)
+    container.handlers().consume(LEDGER, CounterChangedV1, ledger_handler(args.name))
+    deliverer = container.outbox_deliverer()
+    deliverer.deliver = Faults(args).wrap(deliverer.deliver)  # type: ignore[method-assign]
+    counters = Counters(container, Path(args.status) if args.status else None)
+    for source in container.sources():
+        if source.name == "outbox":
+            counters.count_claims(source)
+    status = asyncio.create_task(counters.write_every(0.2))
+    try:
+        await run_worker(container)
+    finally:
+        status.cancel()
+        if counters.path is not None:
+            counters.path.write_text(json.dumps(counters.snapshot()))
+    print("stopped", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--db", required=True)
+    parser.add_argument("--transport", required=True)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--namespace", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--lease", type=float, default=5.0)
+    parser.add_argument("--batch", type=int, default=50)
+    parser.add_argument("--max-retries", type=int, default=3)
+    parser.add_argument("--backoff", type=float, default=0.05)
+    parser.add_argument("--interval", type=float, default=0.2)
+    parser.add_argument("--shutdown-timeout", type=float, default=5.0)
+    parser.add_argument("--crash-after-publish", type=int, default=0)
+    parser.add_argument("--poison-file", default="")
+    parser.add_argument("--status", default="")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    asyncio.run(work(args))
+
+
+if __name__ == "__main__":
+    main()
