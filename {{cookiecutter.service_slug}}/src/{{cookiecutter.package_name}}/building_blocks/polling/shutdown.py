@@ -3,8 +3,9 @@
 Nothing is charged. Deliveries already started run on and write their outcomes; rows the cycle
 never reached are released at once, beside them (a delivery or write that hangs must not use up
 the time their release needs); halfway to the deadline what still runs is cancelled and its rows
-are released too, claimable again at once. Everything shares one deadline (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's
-wait of the shutdown timeout covers all a cycle does. Every release is token-guarded: a row
+are released too, claimable again at once. Everything shares one deadline
+(``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's wait of the shutdown timeout covers all a
+cycle does. Every release is token-guarded: a row
 whose outcome was written no longer matches.
 """
 
