@@ -32,15 +32,24 @@ OUTAGE_MAX_PAUSE_SECONDS = 5.0
 @asynccontextmanager
 async def keep_alive(delivery: Delivery) -> AsyncIterator[None]:
     """While the block runs, ``touch`` the message so the broker does not hand it to another
-    consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``); a no-op where not needed."""
+    consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``); a no-op where not needed.
+
+    The heartbeat is stopped by an event, not by cancelling it: a broker client may swallow a
+    cancellation that lands inside its command (redis-py was seen to), and a heartbeat awaited
+    after such a cancel beat on for ever while the handler, done, waited for it: the consumer
+    stalled with its messages pending. A touch that hangs is abandoned after one interval.
+    """
     interval = delivery.heartbeat_seconds
     if interval is None:
         yield
         return
+    stopped = asyncio.Event()
 
     async def beat() -> None:
         while True:
-            await asyncio.sleep(interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopped.wait(), timeout=interval)
+                return
             try:
                 await delivery.touch()
             except Exception:
@@ -50,9 +59,10 @@ async def keep_alive(delivery: Delivery) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        stopped.set()
+        _, hanging = await asyncio.wait({task}, timeout=max(interval, 1.0))
+        for touch in hanging:
+            touch.cancel()  # not awaited: it must not hold the message's outcome
 
 
 async def consume_through_database_outages(

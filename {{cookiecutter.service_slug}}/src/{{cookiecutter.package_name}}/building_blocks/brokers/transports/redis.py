@@ -57,6 +57,7 @@ from .redis_delivery import RedisDelivery, as_entry_id
 from .redis_format import Utf8BinaryMessageFormat, raw_entry
 
 log = logging.getLogger(__name__)
+FRESH_READ_COUNT = 10  # entries per XREADGROUP, as NATS pulls (see ``subscribe``)
 
 
 class RedisTransport(FastStreamTransport):
@@ -104,7 +105,10 @@ class RedisTransport(FastStreamTransport):
             finally:
                 self._in_flight -= entries
 
-        fresh = StreamSub(stream, group=group, consumer=self._member)
+        # A few entries per read: entries read but not yet handled are not kept fresh, so with
+        # FastStream's unbounded read a backlog sat idle here until reclaimers (any process)
+        # took them, each reclaim a charged attempt: duplicates, and good messages dead-lettered.
+        fresh = StreamSub(stream, group=group, consumer=self._member, max_records=FRESH_READ_COUNT)
         reclaimer = StreamSub(stream, group=group, consumer=self._member, min_idle_time=idle_ms)
         for source in (fresh, reclaimer):
             broker.subscriber(
