@@ -194,11 +194,16 @@ class Fleet:
             assert code == 0, f"{name} exited {code}:\n{self.tail(self.retired[-1])}"
 
     def reap(self) -> None:
-        """Kill whatever still runs (a failed scenario must not leave workers behind)."""
-        for worker in self.workers.values():
-            if worker.process.poll() is None:
-                worker.process.kill()
-                worker.process.wait(10)
+        """Kill whatever still runs (a failed scenario must not leave workers behind), after
+        asking each for its tasks' stacks (SIGUSR1, into its log) for the post-mortem."""
+        running = [w for w in self.workers.values() if w.process.poll() is None]
+        for worker in running:
+            worker.process.send_signal(signal.SIGUSR1)
+        if running:
+            time.sleep(0.5)
+        for worker in running:
+            worker.process.kill()
+            worker.process.wait(10)
         self.retired.extend(self.workers.values())
         self.workers.clear()
 

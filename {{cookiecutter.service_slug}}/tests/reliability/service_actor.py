@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import uuid
@@ -87,7 +88,7 @@ def build(args: argparse.Namespace) -> Container:
                 "transport": args.transport,
                 "url": args.url,
                 "max_delivery_attempts": 3,
-                "redelivery_delay_seconds": 0.2,
+                "redelivery_delay_seconds": 1.0,
                 "circuit_reset_seconds": 1.0,
             },
             outbox={
@@ -162,7 +163,24 @@ class Counters:
             await asyncio.sleep(seconds)
 
 
+def dump_tasks() -> None:
+    """SIGUSR1: every task's chain of awaits into the log (what a scenario that timed out shows;
+    ``Task.print_stack`` stops at the task's outermost coroutine)."""
+    for task in asyncio.all_tasks():
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is not None:
+                print(
+                    f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}", file=sys.stderr
+                )
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    sys.stderr.flush()
+
+
 async def work(args: argparse.Namespace) -> None:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     container = build(args)
     await install_kit(container, create_tables=False)
     container.handlers().consume(LEDGER, CounterChangedV1, ledger_handler(args.name))
