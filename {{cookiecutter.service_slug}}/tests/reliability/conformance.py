@@ -148,13 +148,17 @@ class Fleet:
 
     async def started(self, name: str, timeout: float = 60) -> None:
         """Wait until the worker logged that its processors and consumers run."""
+        await self.said(name, "worker started", timeout)
+
+    async def said(self, name: str, text: str, timeout: float = 60) -> None:
+        """Wait until the process's output contains ``text``."""
         worker = self.workers[name]
         deadline = time.monotonic() + timeout
-        while "worker started" not in worker.log.read_text(errors="replace"):
+        while text not in worker.log.read_text(errors="replace"):
             if worker.process.poll() is not None or time.monotonic() > deadline:
-                msg = f"{name} did not start (exit {worker.process.returncode}):\n{self.tail(worker)}"
+                msg = f"{name} never said {text!r} (exit {worker.process.returncode}):\n{self.tail(worker)}"
                 raise AssertionError(msg)
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02)
 
     def kill(self, name: str) -> None:
         worker = self.workers.pop(name)
@@ -162,6 +166,13 @@ class Fleet:
         worker.process.wait(10)
         self.retired.append(worker)
         self.kills += 1
+
+    def freeze(self, name: str) -> None:
+        """SIGSTOP: the process holds its leases and does nothing (a stalled VM, a long pause)."""
+        self.workers[name].process.send_signal(signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        self.workers[name].process.send_signal(signal.SIGCONT)
 
     async def terminate(self, name: str, timeout: float = 30) -> tuple[int, float]:
         """SIGTERM, then wait for the exit: (exit status, seconds it took)."""
@@ -208,7 +219,8 @@ class Fleet:
         self.workers.clear()
 
     def status(self, name: str) -> dict[str, float]:
-        path = self.workers[name].status
+        """The process's latest figures (its last ones once it has stopped)."""
+        path = self.folder / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
     def logs(self) -> str:

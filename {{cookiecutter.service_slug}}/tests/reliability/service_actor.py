@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -33,7 +34,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    RequestContext,
     current_context,
+    use_context,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
@@ -48,7 +51,7 @@ from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worke
 
 from ..conftest import make_settings
 from ..integration.test_brokers import CONSUMER
-from ..kit import RECEIVED, CounterChangedV1, install_kit
+from ..kit import DELIVERIES, RECEIVED, Counter, CounterChangedV1, Counters, Noted, install_kit
 
 LEDGER = CONSUMER  # the hostile-message helpers of the broker tests read this consumer's letters
 RELAY_POISON = -1  # an event whose publish fails while the poison file exists
@@ -79,6 +82,45 @@ def ledger_handler(worker: str) -> Callable[[CounterChangedV1, SqlUnitOfWork], A
     return handler
 
 
+def noted_handler(
+    container: Container, process: str, seconds: float
+) -> Callable[[Noted, SqlUnitOfWork], Awaitable[None]]:
+    """A local domain-event handler that takes ``seconds``: its start is recorded in a
+    transaction of its own (kept even if the process dies mid-handler), its effect in the
+    handler's unit of work (kept only if the delivery commits)."""
+
+    async def record_start(text: str) -> None:
+        async with container.database().session() as session:
+            await session.exec(  # type: ignore[call-overload]
+                sa.insert(DELIVERIES).values(
+                    row_id=text, seq=0, processor=process, token="-", delivered_at=time.time()
+                )
+            )
+            await session.commit()
+
+    async def handler(event: Noted, uow: SqlUnitOfWork) -> None:
+        # The test's own record, outside the handler's scope (the service refuses a handler
+        # that commits: see the architecture tests), so it survives the process's death.
+        await asyncio.create_task(record_start(event.text), context=contextvars.Context())
+        print(f"handling {event.text}", flush=True)
+        await asyncio.sleep(seconds)
+        context = current_context()
+        await uow.session.exec(  # type: ignore[call-overload]
+            sa.insert(RECEIVED).values(
+                label=event.text,
+                value=0,
+                tenant_id=context.tenant_id,
+                user_id=context.user_id,
+                roles=",".join(context.roles),
+                correlation_id=context.correlation_id,
+                worker=process,
+                received_at=time.time(),
+            )
+        )
+
+    return handler
+
+
 def build(args: argparse.Namespace) -> Container:
     return build_container(
         make_settings(
@@ -98,6 +140,7 @@ def build(args: argparse.Namespace) -> Container:
                 "retry_backoff_base_seconds": args.backoff,
                 "polling_interval_seconds": args.interval,
                 "shutdown_timeout_seconds": args.shutdown_timeout,
+                "processing_delay_seconds": args.processing_delay,
             },
         )
     )
@@ -110,6 +153,7 @@ class Faults:
         self.crash_after = args.crash_after_publish
         self.poison_file = Path(args.poison_file) if args.poison_file else None
         self.published = 0
+        self.after_publish = args.after_publish_seconds
 
     def wrap(self, deliver: Callable[[ClaimedRow, uuid.UUID], Awaitable[Delivered]]) -> Any:
         async def faulty(row: ClaimedRow, token: uuid.UUID) -> Delivered:
@@ -118,6 +162,7 @@ class Faults:
                 msg = "poison event (the bug a later deploy fixes)"
                 raise ValueError(msg)
             result = await deliver(row, token)
+            await asyncio.sleep(self.after_publish)  # a slow confirm: the moment before the stamp
             self.published += 1
             if self.crash_after and self.published >= self.crash_after:
                 print("crashing after a confirmed publish", flush=True)
@@ -127,7 +172,7 @@ class Faults:
         return faulty
 
 
-class Counters:
+class ProcessFigures:
     """Claims counted per process, written with the service's metrics to the status file."""
 
     def __init__(self, container: Container, path: Path | None) -> None:
@@ -183,21 +228,49 @@ async def work(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
     container = build(args)
     await install_kit(container, create_tables=False)
-    container.handlers().consume(LEDGER, CounterChangedV1, ledger_handler(args.name))
+    container.handlers().on_domain_event(Noted, noted_handler(container, args.name, args.handler_seconds))
+    if args.commits:
+        await commit_notes(container, args)
+        return
+    if not args.relay_only:
+        container.handlers().consume(LEDGER, CounterChangedV1, ledger_handler(args.name))
     deliverer = container.outbox_deliverer()
     deliverer.deliver = Faults(args).wrap(deliverer.deliver)  # type: ignore[method-assign]
-    counters = Counters(container, Path(args.status) if args.status else None)
+    figures = ProcessFigures(container, Path(args.status) if args.status else None)
     for source in container.sources():
         if source.name == "outbox":
-            counters.count_claims(source)
-    status = asyncio.create_task(counters.write_every(0.2))
+            figures.count_claims(source)
+    status = asyncio.create_task(figures.write_every(0.2))
     try:
         await run_worker(container)
     finally:
         status.cancel()
-        if counters.path is not None:
-            counters.path.write_text(json.dumps(counters.snapshot()))
+        if figures.path is not None:
+            figures.path.write_text(json.dumps(figures.snapshot()))
     print("stopped", flush=True)
+
+
+async def commit_notes(container: Container, args: argparse.Namespace) -> None:
+    """The API side (``--commits N``): N commits of a counter with three notes each, under a
+    tenant of their own; the notes are local domain events this process dispatches in-process
+    right after each commit (the worker takes over whatever this process does not finish)."""
+    units = container.units_of_work()
+    for commit in range(args.commits):
+        with use_context(
+            RequestContext(
+                tenant_id=f"tenant-{commit % 7}",
+                user_id=args.name,
+                roles=("clerk",),
+                correlation_id=f"{args.name}-{commit}",
+            )
+        ):
+            async with units() as uow:
+                counter = Counter.create(f"tenant-{commit % 7}")
+                for note in range(3):
+                    counter.note(f"{args.name}-{commit}-{note}")
+                uow.repository(Counters).add(counter)
+                await uow.commit()  # and its notes dispatched here, in-process
+    await container.database().dispose()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -215,7 +288,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0)
     parser.add_argument("--crash-after-publish", type=int, default=0)
     parser.add_argument("--poison-file", default="")
+    parser.add_argument("--after-publish-seconds", type=float, default=0.0)
+    parser.add_argument("--relay-only", action="store_true", help="no consumer in this process")
     parser.add_argument("--status", default="")
+    parser.add_argument(
+        "--commits", type=int, default=0, help="be an API process: commit this often, then exit"
+    )
+    parser.add_argument("--handler-seconds", type=float, default=0.0)
+    parser.add_argument("--processing-delay", type=float, default=5.0)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"

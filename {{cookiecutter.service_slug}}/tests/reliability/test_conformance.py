@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import random
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -50,10 +52,11 @@ from ..integration.test_hostile_messages import (
     dead_letters_of,
     hostile_messages,
 )
-from ..kit import CounterChangedV1, install_kit
+from ..kit import DELIVERIES, CounterChangedV1, install_kit
 from ..tcp_proxy import TcpProxy, tcp_proxy
 from .conformance import (
     Fleet,
+    Sent,
     all_received,
     assert_keys_flowed_in_order,
     check_delivery,
@@ -169,6 +172,42 @@ async def test_1_workers_killed_at_random_lose_nothing_and_duplicate_no_effect(
     await scene.fleet.stop_all()
     await scene.check("1 killed workers", sent, notes=f"{scene.fleet.kills} SIGKILLs")
     assert_keys_flowed_in_order(await outbox_rows(scene.container), await received(scene.container))
+
+
+@pytest.mark.parametrize("transport", RABBITMQ)
+async def test_1_a_worker_frozen_past_its_lease_writes_no_outcome_when_it_resumes(
+    stage: MakeStage, transport: str
+) -> None:
+    """A worker is frozen (SIGSTOP) in the middle of its deliveries for longer than its lease;
+    the other worker takes the rows over and finishes everything; then the frozen one resumes
+    and completes its publishes: none of its outcomes may land (each row's lock token changed),
+    so no row's processed stamp moves after the resume, and its copies have no effect."""
+    scene = await stage(transport, "--lease", "2")
+    sent = await write_events(scene.container, 1500, key_of=cycling(40), per_commit=50)
+    # Only its relay is frozen: a frozen consumer would hold its prefetched messages as well.
+    await start_workers(scene.fleet, "other")
+    await start_workers(scene.fleet, "frozen", options=("--relay-only", "--after-publish-seconds", "0.05"))
+    await wait_until(lambda: _count_at_least(scene.container, 200), 60, "the first 200 delivered")
+    scene.fleet.freeze("frozen")
+    frozen_at = time.time()
+    await all_received(scene.container, sent, DRAIN_SECONDS)
+    await wait_until(lambda: _nothing_pending(scene.container), 60, "every row finished")
+    resumed_at = time.time()
+    scene.fleet.thaw("frozen")
+    await asyncio.sleep(3.0)  # its publishes and stamp attempts run now
+    await scene.fleet.stop_all()
+    rows = await outbox_rows(scene.container)
+    late = [r for r in rows if r.processed_on.timestamp() >= resumed_at]
+    await scene.check("1 frozen past its lease", sent, notes=f"frozen {resumed_at - frozen_at:.1f} s")
+    assert late == [], f"{len(late)} stale outcomes landed after the resume"
+    lost = scene.fleet.status("frozen").get("outbox_lost_leases_total", 0)
+    assert lost >= 1, "the frozen worker had nothing in flight: the scenario proved nothing"
+
+
+async def _nothing_pending(container: Container) -> bool:
+    return all(
+        r.processed_on is not None or r.dead_lettered_on is not None for r in await outbox_rows(container)
+    )
 
 
 # -- 3. crash between publish and stamp ----------------------------------------------------
@@ -504,3 +543,48 @@ async def test_5_workers_recover_when_the_database_restarts(
     await scene.check("5 database restart", sent, notes="5 s without the database")
     assert [r for r in rows if r.dead_lettered_on is not None] == []
     assert max(r.retry_count for r in rows) == 0, "a database outage was charged to the rows"
+
+
+# -- 2. an API process killed right after its commit ---------------------------------------
+
+
+@pytest.mark.parametrize("transport", RABBITMQ)
+async def test_2_an_api_process_killed_after_its_commit_leaves_its_events_to_the_worker(
+    stage: MakeStage, transport: str
+) -> None:
+    """Two API processes commit counters with three notes each; the notes are local domain
+    events each process runs in-process right after its commit, every handler taking 0.6 s
+    against a 1 s lease (so a row's lease must be renewed just before its handler). One API
+    process is SIGKILLed as the handlers of a commit begin: the worker delivers what it left
+    once the lease ends, every note takes effect once, under its writer's context, and no
+    note's handler ever runs in two processes at once (runs recorded as they start)."""
+    handler_seconds = 0.6
+    options = ("--lease", "1", "--processing-delay", "0.5", "--handler-seconds", f"{handler_seconds}")
+    scene = await stage(transport, *options)
+    await start_workers(scene.fleet, "worker")
+    for name in ("api1", "api2"):
+        scene.fleet.start(name, "--commits", "6")
+    await scene.fleet.said("api1", "handling api1-2-0")
+    scene.fleet.kill("api1")
+    assert await scene.fleet.exited("api2", timeout=120) == 0
+    noted = [r for r in await outbox_rows(scene.container) if r.event_name == "kit.noted.v1"]
+    sent = [
+        Sent(r.payload["text"], None, 0, r.tenant_id, r.user_id, r.user_roles, r.correlation_id)
+        for r in noted
+    ]
+    await all_received(scene.container, sent, DRAIN_SECONDS)
+    await scene.fleet.stop_all()
+    runs = await fetch(scene.container, sa.select(DELIVERIES).order_by(DELIVERIES.c.delivered_at))
+    starts: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for run in runs:
+        starts[run.row_id].append((run.delivered_at, run.processor))
+    for text, began in starts.items():
+        for (first, by), (second, then) in itertools.pairwise(began):
+            assert second - first >= handler_seconds - 0.05, f"{text} ran in {by} and {then} at once"
+    by_worker = {e.label for e in await received(scene.container) if e.worker == "worker"}
+    await scene.check(
+        "2 API killed after commit", sent, notes=f"{len(by_worker)} notes finished by the worker"
+    )
+    assert any(label.startswith("api1-2-") for label in by_worker), (
+        "the killed commit's notes were not taken over"
+    )
