@@ -208,6 +208,14 @@ class ProcessFigures:
             await asyncio.sleep(seconds)
 
 
+async def die_with_the_test(parent: int) -> None:
+    """Stop (SIGTERM to ourselves) once the test process that started us is gone: a test run
+    killed outright cannot reap its workers, and they must not run on for ever."""
+    while os.getppid() == parent:  # noqa: ASYNC110 (no event tells a parent's death; polled)
+        await asyncio.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def dump_tasks() -> None:
     """SIGUSR1: every task's chain of awaits into the log (what a scenario that timed out shows;
     ``Task.print_stack`` stops at the task's outermost coroutine)."""
@@ -226,6 +234,7 @@ def dump_tasks() -> None:
 
 async def work(args: argparse.Namespace) -> None:
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump_tasks)
+    orphaned = asyncio.create_task(die_with_the_test(os.getppid()))
     container = build(args)
     await install_kit(container, create_tables=False)
     container.handlers().on_domain_event(Noted, noted_handler(container, args.name, args.handler_seconds))
@@ -245,6 +254,7 @@ async def work(args: argparse.Namespace) -> None:
         await run_worker(container)
     finally:
         status.cancel()
+        orphaned.cancel()
         if figures.path is not None:
             figures.path.write_text(json.dumps(figures.snapshot()))
     print("stopped", flush=True)

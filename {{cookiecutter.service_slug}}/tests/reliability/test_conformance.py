@@ -73,6 +73,7 @@ ALL_BROKERS = [
     pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
     pytest.param("nats", marks=pytest.mark.nats),
     pytest.param("redis", marks=pytest.mark.redis),
+    pytest.param("kafka", marks=pytest.mark.kafka),
 ]
 RABBITMQ = [pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)]
 DRAIN_SECONDS = 240  # generous: a 2-core machine under CI load; a lost event still fails
