@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,13 @@ import sqlalchemy as sa
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import Container, build_container
 
-from ..conftest import acting_as, fetch
-from ..kit import RECEIVED, CounterChangedV1
+from ..conftest import acting_as, fetch, make_settings
+from ..kit import RECEIVED, CounterChangedV1, install_kit
 
 PROJECT = Path(__file__).resolve().parents[2]
 REPORT: list[dict[str, Any]] = []
@@ -234,6 +238,38 @@ class Fleet:
     @staticmethod
     def tail(worker: Worker) -> str:
         return worker.log.read_text(errors="replace")[-4000:] if worker.log.exists() else ""
+
+
+async def never_runs(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
+    del event, uow  # the test process only declares the consumer's queue; workers consume
+
+
+@asynccontextmanager
+async def declared_topology(
+    database_url: str,
+    namespace: str,
+    consumer: str,
+    bus_settings: dict[str, Any],
+    *,
+    fresh_tables: bool = False,
+) -> AsyncIterator[Container]:
+    """A container on ``namespace`` whose started bus has declared ``consumer``'s queue or
+    stream (its handler never runs here: worker processes consume), so nothing a worker
+    publishes is unroutable; the topology is deleted afterwards, messages included.
+    ``fresh_tables`` (re)creates and empties the kit's tables."""
+    container = build_container(
+        make_settings(database_url, application={"namespace": namespace}, message_bus=bus_settings)
+    )
+    await install_kit(container, create_tables=fresh_tables)
+    container.handlers().consume(consumer, CounterChangedV1, never_runs)
+    bus = container.bus()
+    await bus.start()
+    try:
+        yield container
+    finally:
+        await bus.stop()
+        await bus.delete_topology()  # type: ignore[attr-defined]
+        await container.database().dispose()
 
 
 async def received(container: Container) -> list[Any]:

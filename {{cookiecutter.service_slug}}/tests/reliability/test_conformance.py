@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -39,12 +40,9 @@ from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope imp
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
-)
-from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.container import Container
 
-from ..conftest import SERVICE_URLS, fetch, make_settings
+from ..conftest import SERVICE_URLS, fetch
 from ..integration.test_hostile_messages import (
     LEFTOVERS,
     PUBLISH_RAW,
@@ -52,7 +50,7 @@ from ..integration.test_hostile_messages import (
     dead_letters_of,
     hostile_messages,
 )
-from ..kit import DELIVERIES, CounterChangedV1, install_kit
+from ..kit import DELIVERIES
 from ..tcp_proxy import TcpProxy, tcp_proxy
 from .conformance import (
     Fleet,
@@ -61,6 +59,7 @@ from .conformance import (
     assert_keys_flowed_in_order,
     check_delivery,
     cycling,
+    declared_topology,
     outbox_rows,
     received,
     wait_until,
@@ -102,45 +101,33 @@ class Stage:
 MakeStage = Callable[..., Awaitable[Stage]]
 
 
-async def never_runs(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-    del event, uow  # the test process only declares the consumer's queue; workers consume
-
-
 @pytest.fixture
 async def stage(postgres_url: str, tmp_path: Path) -> AsyncIterator[MakeStage]:
-    built: list[Stage] = []
+    async with AsyncExitStack() as stack:
 
-    async def make(transport: str, *options: str, broker_url: str = "", database_url: str = "") -> Stage:
-        namespace = f"rel{uuid.uuid4().hex[:8]}"
-        bus = {
-            "transport": transport,
-            "url": SERVICE_URLS[transport],
-            "max_delivery_attempts": 3,  # as the workers declare it
-            "redelivery_delay_seconds": 1.0,
-        }
-        container = build_container(
-            make_settings(postgres_url, application={"namespace": namespace}, message_bus=bus)
-        )
-        await install_kit(container)
-        container.handlers().consume(LEDGER, CounterChangedV1, never_runs)
-        await container.bus().start()  # the topology exists before any worker publishes
-        fleet = Fleet(
-            tmp_path,
-            database_url or postgres_url,
-            transport,
-            broker_url or SERVICE_URLS[transport],
-            namespace,
-            options,
-        )
-        built.append(Stage(container, fleet, time.monotonic()))
-        return built[-1]
+        async def make(transport: str, *options: str, broker_url: str = "", database_url: str = "") -> Stage:
+            namespace = f"rel{uuid.uuid4().hex[:8]}"
+            bus = {
+                "transport": transport,
+                "url": SERVICE_URLS[transport],
+                "max_delivery_attempts": 3,  # as the workers declare it
+                "redelivery_delay_seconds": 1.0,
+            }
+            container = await stack.enter_async_context(
+                declared_topology(postgres_url, namespace, LEDGER, bus, fresh_tables=True)
+            )
+            fleet = Fleet(
+                tmp_path,
+                database_url or postgres_url,
+                transport,
+                broker_url or SERVICE_URLS[transport],
+                namespace,
+                options,
+            )
+            stack.callback(fleet.reap)  # first out: the workers go before their topology
+            return Stage(container, fleet, time.monotonic())
 
-    yield make
-    for made in built:
-        made.fleet.reap()
-        await made.container.bus().stop()
-        await made.container.bus().delete_topology()
-        await made.container.database().dispose()
+        yield make
 
 
 async def start_workers(fleet: Fleet, *names: str, options: tuple[str, ...] = ()) -> None:

@@ -10,8 +10,6 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,16 +25,13 @@ from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
-)
 from {{ cookiecutter.package_name }}.container import (
     Container,
-    build_container,
 )
 
-from ..conftest import SERVICE_URLS, acting_as, fetch, make_settings
+from ..conftest import SERVICE_URLS, acting_as, fetch
 from ..kit import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
+from .conformance import declared_topology
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
 PROJECT = Path(__file__).resolve().parents[2]
@@ -277,31 +272,6 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
     assert [r[0] for r in inbox] == [message_id]
 
 
-@asynccontextmanager
-async def broker_publisher(
-    database_url: str, namespace: str, consumer: str, bus_settings: dict[str, Any]
-) -> AsyncIterator[Any]:
-    """A started bus on ``namespace`` that declares ``consumer``'s queue (its handler never runs
-    here) and publishes; its topology is deleted afterwards. The actors consume."""
-    publisher = build_container(
-        make_settings(database_url, application={"namespace": namespace}, message_bus=bus_settings)
-    )
-    await install_kit(publisher, create_tables=False)
-
-    async def never_runs(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        del event, uow
-
-    publisher.handlers().consume(consumer, CounterChangedV1, never_runs)
-    bus = publisher.bus()
-    await bus.start()
-    try:
-        yield bus
-    finally:
-        await bus.stop()
-        await bus.delete_topology()
-        await publisher.database().dispose()
-
-
 def counter_message() -> Envelope:
     with acting_as():
         context = capture()
@@ -320,7 +290,8 @@ async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_e
     url = container.settings().database.url
     namespace = f"race{uuid.uuid4().hex[:8]}"
     rabbitmq: dict[str, Any] = {"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]}
-    async with broker_publisher(url, namespace, "kit.racer", rabbitmq) as bus:
+    async with declared_topology(url, namespace, "kit.racer", rabbitmq) as publisher:
+        bus = publisher.bus()
         racers = [
             start(
                 "broker-racer",
@@ -368,7 +339,8 @@ async def test_a_consumer_that_crashes_on_every_delivery_is_dead_lettered_by_the
         "max_delivery_attempts": 2,
         "redelivery_delay_seconds": 0.3,  # as the crashers declare it
     }
-    async with broker_publisher(url, namespace, "kit.crasher", bus_settings) as bus:
+    async with declared_topology(url, namespace, "kit.crasher", bus_settings) as publisher:
+        bus = publisher.bus()
         await bus.publish(counter_message())
         runs: list[tuple[int, str]] = []
         for _ in range(4):
