@@ -760,3 +760,30 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
 
 async def _no_dispatch(*_args: Any, **_kwargs: Any) -> None:
     return None
+
+
+@pytest.mark.postgres
+async def test_a_bookkeeping_transaction_left_idle_is_ended_and_frees_its_rows(postgres_url: str) -> None:
+    """A process frozen inside a claim or stamp transaction (a paused VM) holds its rows' locks;
+    the server ends such a transaction after ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``, so
+    another worker can take the rows once their lease is over."""
+    frozen = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 0.5}))
+    other = build_container(make_settings(postgres_url))
+    try:
+        (row_id,) = await insert_rows(frozen, [row("kit.a.v1", FakeClock().now)])
+        locked = sa.select(OUTBOX_TABLE.c.id).where(OUTBOX_TABLE.c.id == row_id).with_for_update(nowait=True)
+
+        async def frozen_inside_a_transaction() -> None:
+            async with frozen.database().bookkeeping() as connection:
+                await connection.execute(locked)
+                await asyncio.sleep(1.5)  # a paused process
+
+        freezing = asyncio.create_task(frozen_inside_a_transaction())
+        await asyncio.sleep(1.0)  # past the 0.5 s timeout, still frozen
+        async with other.database().bookkeeping() as free:
+            assert (await free.execute(locked)).scalar_one() == row_id  # NOWAIT: the lock is gone
+        with pytest.raises(DBAPIError):  # its session was ended under it
+            await freezing
+    finally:
+        for container in (frozen, other):
+            await container.database().dispose()

@@ -35,6 +35,10 @@ class DatabaseSettings(BaseModel):
     pool_size: int = Field(default=10, ge=1)
     sqlite_busy_timeout_ms: int = Field(default=10_000, ge=0)
     transient_retry_attempts: int = Field(default=3, ge=1)
+    # PostgreSQL ends a processor's own transaction (claim, renewal, stamp, release: each takes
+    # milliseconds) left idle this long: a process frozen inside one (a paused VM, a debugger)
+    # would otherwise keep its rows locked, and no worker could take them, lease over or not.
+    bookkeeping_idle_timeout_seconds: float = Field(default=60.0, gt=0)
 
     @property
     def is_postgresql(self) -> bool:

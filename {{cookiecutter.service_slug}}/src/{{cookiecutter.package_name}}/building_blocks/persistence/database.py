@@ -86,9 +86,12 @@ class Database:
         off``): a database crash can lose the last few of them, which only means a row is
         delivered again (at-least-once; consumers deduplicate). Business writes, handler
         effects and the stamps committed with them keep the normal, durable commit.
+        A transaction of theirs left idle for ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS`` is
+        ended by the server, so a frozen process cannot hold its rows' locks for ever.
         """
         if self.url.get_backend_name() != "postgresql":
             return self.engine
+        idle_ms = max(1, int(self.settings.bookkeeping_idle_timeout_seconds * 1000))
         return create_async_engine(
             self.url,
             echo=self.settings.echo,
@@ -96,7 +99,12 @@ class Database:
             # No pre-ping per checkout (a round trip per transaction on the hot path): a dead
             # connection fails the cycle, which the polling loop retries.
             pool_recycle=300,
-            connect_args={"server_settings": {"synchronous_commit": "off"}},
+            connect_args={
+                "server_settings": {
+                    "synchronous_commit": "off",
+                    "idle_in_transaction_session_timeout": f"{idle_ms}ms",
+                }
+            },
         )
 
     @asynccontextmanager
