@@ -154,11 +154,12 @@ class Fleet:
         """Wait until the worker logged that its processors and consumers run."""
         await self.said(name, "worker started", timeout)
 
-    async def said(self, name: str, text: str, timeout: float = 60) -> None:
-        """Wait until the process's output contains ``text``."""
+    async def said(self, name: str, text: str, timeout: float = 60, *, anew: bool = False) -> None:
+        """Wait until the process's output contains ``text`` (``anew``: once more than now)."""
         worker = self.workers[name]
         deadline = time.monotonic() + timeout
-        while text not in worker.log.read_text(errors="replace"):
+        seen = worker.log.read_text(errors="replace").count(text) if anew else 0
+        while worker.log.read_text(errors="replace").count(text) <= seen:
             if worker.process.poll() is not None or time.monotonic() > deadline:
                 msg = f"{name} never said {text!r} (exit {worker.process.returncode}):\n{self.tail(worker)}"
                 raise AssertionError(msg)

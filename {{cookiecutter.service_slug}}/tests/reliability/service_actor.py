@@ -126,6 +126,7 @@ def build(args: argparse.Namespace) -> Container:
         make_settings(
             args.db,
             application={"namespace": args.namespace, "instance_id": args.name},
+            database={"bookkeeping_idle_timeout_seconds": 5.0},  # a frozen worker's locks end soon
             message_bus={
                 "transport": args.transport,
                 "url": args.url,
@@ -162,7 +163,9 @@ class Faults:
                 msg = "poison event (the bug a later deploy fixes)"
                 raise ValueError(msg)
             result = await deliver(row, token)
-            await asyncio.sleep(self.after_publish)  # a slow confirm: the moment before the stamp
+            if self.after_publish:  # a slow confirm: the moment before the stamp, announced
+                print(f"published {row.id}, not stamped yet", flush=True)
+                await asyncio.sleep(self.after_publish)
             self.published += 1
             if self.crash_after and self.published >= self.crash_after:
                 print("crashing after a confirmed publish", flush=True)
