@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import json
 import random
+import statistics
 import time
 import uuid
 from collections import defaultdict
@@ -437,24 +438,29 @@ async def test_9_hostile_messages_in_a_normal_stream_are_dead_lettered_and_the_r
 async def test_10_sustained_load_drains_and_the_oldest_pending_age_stays_bounded(
     stage: MakeStage, transport: str
 ) -> None:
-    """100 events per second for 60 s, two workers: sampled every second, the age of the
-    oldest pending row stays bounded, and the backlog drains once the writers stop."""
+    """60 events per second for 60 s, two workers: sampled every second, the age of the
+    oldest pending row stays bounded and does not grow (a relay slower than the writers would
+    show a backlog aging second by second), and the backlog drains once the writers stop."""
     scene = await stage(transport)
     await start_workers(scene.fleet, "w1", "w2")
     sent: list[Any] = []
     ages: list[float] = []
     began = time.monotonic()
     for second in range(60):
-        sent += await write_events(scene.container, 100, per_commit=10, first=second * 100)
+        sent += await write_events(scene.container, 60, per_commit=10, first=second * 60)
         ages.append(await oldest_pending_age(scene.container))
         await asyncio.sleep(max(0.0, began + second + 1 - time.monotonic()))
     rate = len(sent) / (time.monotonic() - began)
     await all_received(scene.container, sent, DRAIN_SECONDS)
     drained = time.monotonic() - began - 60
     await scene.fleet.stop_all()
-    notes = f"{rate:.0f}/s written; oldest pending max {max(ages):.1f} s, median {sorted(ages)[30]:.1f} s"
+    early, late = statistics.median(ages[:20]), statistics.median(ages[-20:])
+    notes = (
+        f"{rate:.0f}/s written; oldest pending: max {max(ages):.1f} s, median {early:.1f} s then {late:.1f} s"
+    )
     await scene.check("10 sustained load", sent, notes=f"{notes}; drained {drained:.1f} s after")
-    assert max(ages) < 10, f"the backlog grew: oldest pending reached {max(ages):.1f} s"
+    assert max(ages) < 15, f"the backlog aged to {max(ages):.1f} s"
+    assert late <= 2 * early + 2, f"the backlog kept aging: median {early:.1f} s, then {late:.1f} s"
 
 
 async def oldest_pending_age(container: Container) -> float:
