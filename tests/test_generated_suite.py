@@ -65,10 +65,13 @@ def test_generated_slow_tiers_pass_and_catch_the_known_bugs(tmp_path: Path) -> N
 
 
 def test_service_without_example_passes_its_suite(tmp_path: Path) -> None:
+    """Without the example context: its own suite, but for the broker-backed tests, which use
+    the test kit and not the example (the default bake runs them on the same code)."""
     project = bake(tmp_path, include_example=False)
     python = install(project)
+    tiers = "not slow and not kafka and not rabbitmq and not nats and not redis"
     check(
-        [str(python), "-m", "pytest", "-m", "not slow and not kafka", "-q", "-p", "no:cacheprovider"],
+        [str(python), "-m", "pytest", "-m", tiers, "-q", "-p", "no:cacheprovider"],
         project,
         env=_service_env(),
         timeout=1500,
