@@ -281,7 +281,7 @@ async def test_6_sigterm_mid_batch_charges_nothing_and_releases_what_it_did_not_
     every published row stamped (no copy for the next worker to send again), the rows not
     reached released at once (no lease left to wait out), no retry charged."""
     scene = await stage(transport, "--batch", "500", "--lease", "60", "--shutdown-timeout", "5")
-    sent = await write_events(scene.container, 2000, per_commit=50)
+    sent = await write_events(scene.container, 1000, per_commit=50)
     await start_workers(scene.fleet, "w1")
     await wait_until(lambda: _count_at_least(scene.container, 100), 60, "the first 100 delivered")
     code, seconds = await scene.fleet.terminate("w1")
