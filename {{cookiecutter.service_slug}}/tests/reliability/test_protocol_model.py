@@ -163,8 +163,8 @@ CONSUMER = "model.consumer"
 PENDING, PROCESSED, DEAD = "pending", "processed", "dead-lettered"
 
 SETTINGS = settings(
-    max_examples=20,
-    stateful_step_count=50,
+    max_examples=30,
+    stateful_step_count=80,
     deadline=None,  # a step is a few database round trips; their time varies with the machine
     # No "explain" phase: it replays the failure many more times (minutes here) for a hint that
     # the printed steps already give.
@@ -173,6 +173,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 
+REPLAYS_TABLE: sa.Table = DeadLetterReplay.__table__  # type: ignore[attr-defined]
 EFFECTS_METADATA = sa.MetaData()
 EFFECTS = sa.Table(  # one row per handler run that committed: a duplicate effect would show
     "model_effects",
@@ -335,7 +336,7 @@ class World:
     async def reset(self) -> None:
         """Empty the tables a run writes and start the clock at the real time again."""
         async with self.container.database().engine.begin() as connection:
-            for table in (OUTBOX_TABLE, INBOX_TABLE, DeadLetterReplay.__table__, EFFECTS):
+            for table in (OUTBOX_TABLE, INBOX_TABLE, REPLAYS_TABLE, EFFECTS):
                 await connection.execute(sa.delete(table))  # a few rows: cheaper than TRUNCATE
             # seq from 1 again, so a failure report's row numbers are small
             await connection.execute(sa.text(f"ALTER TABLE {OUTBOX_TABLE.name} ALTER COLUMN seq RESTART"))
@@ -563,6 +564,8 @@ def table_state(processed: datetime | None, dead: datetime | None) -> str:
 
 
 class ProtocolModel(RuleBasedStateMachine):
+    """The real processors and tables, and beside them the model of what the tables must hold."""
+
     def __init__(self, world: World) -> None:
         super().__init__()
         self.world = world
@@ -709,8 +712,8 @@ class ProtocolModel(RuleBasedStateMachine):
 
     def _explain_claim(self, name: str, taken: list[uuid.UUID], expected: list[uuid.UUID]) -> str:
         now = self.clock.now
-        seqs = [self.rows[i].seq for i in taken], [self.rows[i].seq for i in expected]
-        lines = ["{} claimed {}, the model expected {}".format(name, *seqs)]
+        taken_seqs, expected_seqs = [self.rows[i].seq for i in taken], [self.rows[i].seq for i in expected]
+        lines = [f"{name} claimed rows {taken_seqs}, the model expected {expected_seqs}"]
         for row_id in taken:
             if row_id not in expected and (why := blocker(self.rows, self.rows[row_id], now)):
                 lines.append(f"  {self.rows[row_id]} was taken although {why}")
