@@ -111,18 +111,31 @@ from hypothesis.stateful import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import Consumer, Handler
+from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import (
+    Consumer,
+    Handler,
+)
 from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import ConsumeOutcome
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanKind
-from {{ cookiecutter.package_name }}.building_blocks.messaging.bus import MessageBus
+from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
+    ConsumeOutcome,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+    SpanKind,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.bus import (
+    MessageBus,
+)
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.deliverer import OutboxDeliverer
+from {{ cookiecutter.package_name }}.building_blocks.outbox.deliverer import (
+    OutboxDeliverer,
+)
 from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
     INBOX_TABLE,
     DeadLetterReplay,
@@ -130,19 +143,34 @@ from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables im
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import Claimer
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import CycleResult
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+    Claimer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+    CycleResult,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
+    SourceSettings,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import (
+    Delivered,
+)
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
     TableSource,
 )
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.composition.relay import source_settings
-from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.composition.relay import (
+    source_settings,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
 
 from ..conftest import FakeClock, make_settings
 
