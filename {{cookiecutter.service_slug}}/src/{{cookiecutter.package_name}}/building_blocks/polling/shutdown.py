@@ -65,7 +65,7 @@ class CycleShutdown:
         """Let the started deliveries finish within half the deadline while the unreached rows
         are released; then cancel what still runs and release those rows too.
 
-        A publish is cut short only at the deadline: cancelled earlier, a message the broker
+        A publish is cut short only halfway to the deadline: cancelled at once, a message the broker
         already holds would be left unstamped and sent again by the next worker.
         """
         waiting = [task for task, row in zip(tasks, rows, strict=True) if row.id not in started]
