@@ -59,25 +59,32 @@ HANDLER_POISON = -7777  # an event whose consumer handler always fails (dead-let
 CRASHED_AFTER_PUBLISH = 9  # the exit status of --crash-after-publish
 
 
+async def record_receipt(
+    uow: SqlUnitOfWork, worker: str, label: str, value: int, ordering_key: str | None
+) -> None:
+    """The effect of a handler here: what it saw, under which caller, in its unit of work."""
+    context = current_context()
+    await uow.session.exec(  # type: ignore[call-overload]
+        sa.insert(RECEIVED).values(
+            label=label,
+            ordering_key=ordering_key,
+            value=value,
+            tenant_id=context.tenant_id,
+            user_id=context.user_id,
+            roles=",".join(context.roles),
+            correlation_id=context.correlation_id,
+            worker=worker,
+            received_at=time.time(),
+        )
+    )
+
+
 def ledger_handler(worker: str) -> Callable[[CounterChangedV1, SqlUnitOfWork], Awaitable[None]]:
     async def handler(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         if event.value == HANDLER_POISON:
             msg = "a handler that fails on this message every time"
             raise RuntimeError(msg)
-        context = current_context()
-        await uow.session.exec(  # type: ignore[call-overload]
-            sa.insert(RECEIVED).values(
-                label=event.counter_id,
-                ordering_key=event.aggregate_id,
-                value=event.value,
-                tenant_id=context.tenant_id,
-                user_id=context.user_id,
-                roles=",".join(context.roles),
-                correlation_id=context.correlation_id,
-                worker=worker,
-                received_at=time.time(),
-            )
-        )
+        await record_receipt(uow, worker, event.counter_id, event.value, event.aggregate_id)
 
     return handler
 
@@ -104,19 +111,7 @@ def noted_handler(
         await asyncio.create_task(record_start(event.text), context=contextvars.Context())
         print(f"handling {event.text}", flush=True)
         await asyncio.sleep(seconds)
-        context = current_context()
-        await uow.session.exec(  # type: ignore[call-overload]
-            sa.insert(RECEIVED).values(
-                label=event.text,
-                value=0,
-                tenant_id=context.tenant_id,
-                user_id=context.user_id,
-                roles=",".join(context.roles),
-                correlation_id=context.correlation_id,
-                worker=process,
-                received_at=time.time(),
-            )
-        )
+        await record_receipt(uow, process, event.text, 0, None)
 
     return handler
 
