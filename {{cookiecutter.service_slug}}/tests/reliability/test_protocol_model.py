@@ -191,8 +191,8 @@ CONSUMER = "model.consumer"
 PENDING, PROCESSED, DEAD = "pending", "processed", "dead-lettered"
 
 SETTINGS = settings(
-    max_examples=30,
-    stateful_step_count=80,
+    max_examples=20,
+    stateful_step_count=50,
     deadline=None,  # a step is a few database round trips; their time varies with the machine
     # No "explain" phase: it replays the failure many more times (minutes here) for a hint that
     # the printed steps already give.
