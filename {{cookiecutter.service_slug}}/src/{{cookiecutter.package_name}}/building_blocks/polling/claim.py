@@ -37,31 +37,33 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlmodel.sql.sqltypes import UTCDateTime
 
-from .claim_parts import claimable_heads, claimable_keyless, heads_by_key_scan, heads_in_window
+from .claim_parts import among, claimable_heads, claimable_keyless, heads_by_key_scan, heads_in_window
 from .claimed import ClaimedRow
 
 
-def build_claim(table: sa.Table, name_column: str, *, batch: int, window: int) -> sa.Update:
+def build_claim(
+    table: sa.Table, name_column: str, *, batch: int, window: int, postgresql: bool = False
+) -> sa.Update:
     """Build the claim statement for ``table`` (bound: now, lease_until, token, locked_by)."""
     keyless = claimable_keyless(table, batch)
     in_window = heads_in_window(table, batch, window)
     short = sa.select(sa.func.count()).select_from(in_window).scalar_subquery() < batch
     by_scan = heads_by_key_scan(table, batch, short)
     candidates = sa.union_all(sa.select(in_window.c.id).where(~short), sa.select(by_scan.c.id))
-    keyed = claimable_heads(table, candidates)
+    keyed = claimable_heads(table, candidates, postgresql=postgresql)
     both = sa.union_all(sa.select(keyless.c.id, keyless.c.seq), sa.select(keyed.c.id, keyed.c.seq)).subquery(
         "both_"
     )
     picked = sa.select(both.c.id).order_by(both.c.seq).limit(batch).cte("picked")
-    return lease(table, name_column, picked)
+    return lease(table, name_column, picked, postgresql=postgresql)
 
 
-def lease(table: sa.Table, name_column: str, picked: sa.CTE) -> sa.Update:
+def lease(table: sa.Table, name_column: str, picked: sa.CTE, *, postgresql: bool) -> sa.Update:
     """Lease the picked rows to the caller's token and return what their delivery needs."""
     c = table.c
     return (
         sa.update(table)
-        .where(c.id.in_(sa.select(picked.c.id)))
+        .where(among(c.id, sa.select(picked.c.id), postgresql=postgresql))
         .values(
             locked_until=sa.bindparam("lease_until", type_=UTCDateTime()),
             lock_token=sa.bindparam("token", type_=sa.Uuid()),
@@ -78,8 +80,10 @@ def lease(table: sa.Table, name_column: str, picked: sa.CTE) -> sa.Update:
 class Claimer:
     """Executes the prebuilt claim in its own short transaction."""
 
-    def __init__(self, table: sa.Table, name_column: str, *, batch: int, window: int) -> None:
-        self.statement = build_claim(table, name_column, batch=batch, window=window)
+    def __init__(
+        self, table: sa.Table, name_column: str, *, batch: int, window: int, postgresql: bool = False
+    ) -> None:
+        self.statement = build_claim(table, name_column, batch=batch, window=window, postgresql=postgresql)
 
     async def claim(
         self,

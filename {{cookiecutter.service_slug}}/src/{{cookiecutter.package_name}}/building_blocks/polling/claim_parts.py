@@ -24,6 +24,17 @@ def free_and_due(t: sa.FromClause) -> sa.ColumnElement[bool]:
     return sa.and_(sa.or_(t.c.locked_until.is_(None), t.c.locked_until < now), t.c.available_on <= now)
 
 
+def among(
+    column: sa.ColumnElement[Any], ids: sa.Select[Any] | sa.CompoundSelect[Any], *, postgresql: bool
+) -> sa.ColumnElement[bool]:
+    """``column`` is one of ``ids``. On PostgreSQL written ``= ANY(ARRAY(...))``: the planner
+    then probes the index once per id, where ``IN (subquery)`` let it hash-join a sequential
+    scan of the whole table (seen in the claim's plan; ``test_relay_hot_path`` checks it)."""
+    if postgresql:
+        return column == sa.any_(sa.func.array(ids.scalar_subquery()))
+    return column.in_(ids)
+
+
 def no_key_mate_in_flight(table: sa.Table, t: sa.FromClause) -> sa.ColumnElement[bool]:
     """No other row of the key holds a live lease (only a replayed head can be behind one);
     written to match the partial index ``pending_leased_key``."""
@@ -93,12 +104,14 @@ def heads_by_key_scan(table: sa.Table, batch: int, only_if: sa.ColumnElement[boo
         ).where(keys.c.k.is_not(None))
     )
     head_seq = sa.select(sa.func.min(head.c.seq)).where(head.c.ordering_key == keys.c.k, pending(head))
+    # Matched on (key, seq) among pending rows: the pending key index finds each head directly.
+    heads = sa.select(keys.c.k, head_seq.scalar_subquery()).select_from(keys).where(keys.c.k.is_not(None))
     return (
         sa.select(row.c.id, row.c.seq)
         .where(
-            row.c.seq.in_(
-                sa.select(head_seq.scalar_subquery()).select_from(keys).where(keys.c.k.is_not(None))
-            ),
+            sa.tuple_(row.c.ordering_key, row.c.seq).in_(heads),
+            row.c.ordering_key.is_not(None),
+            pending(row),
             free_and_due(row),
         )
         .order_by(row.c.seq)
@@ -107,13 +120,15 @@ def heads_by_key_scan(table: sa.Table, batch: int, only_if: sa.ColumnElement[boo
     )
 
 
-def claimable_heads(table: sa.Table, candidates: sa.CompoundSelect[tuple[Any]]) -> sa.CTE:
+def claimable_heads(
+    table: sa.Table, candidates: sa.CompoundSelect[tuple[Any]], *, postgresql: bool
+) -> sa.CTE:
     """The candidate heads, locked, re-checked free and due, and without a key-mate in flight."""
     row = table.alias("keyed_row")
     return (
         sa.select(row.c.id, row.c.seq)
         .where(
-            row.c.id.in_(candidates),
+            among(row.c.id, candidates, postgresql=postgresql),
             pending(row),
             free_and_due(row),
             no_key_mate_in_flight(table, row),
