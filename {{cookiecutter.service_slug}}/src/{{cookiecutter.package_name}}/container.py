@@ -136,6 +136,7 @@ class Container(containers.DeclarativeContainer):
         clock=clock,
         listener=listener,
         polling_interval_seconds=settings.provided.outbox.polling_interval_seconds,
+        idle_polling_interval_seconds=settings.provided.outbox.idle_polling_interval_seconds,
         cleanup_interval_seconds=settings.provided.outbox.cleanup_interval_seconds,
         metrics_interval_seconds=settings.provided.outbox.metrics_interval_seconds,
         shutdown_timeout_seconds=settings.provided.outbox.shutdown_timeout_seconds,

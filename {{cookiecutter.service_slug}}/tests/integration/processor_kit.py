@@ -35,6 +35,11 @@ class ScriptedDeliverer:
 
     script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
     delivered: list[ClaimedRow] = field(default_factory=list)
+    fresh_lease: bool = True  # like a handler; False like a publish (renewed only when short)
+
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        del row
+        return self.fresh_lease
 
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         del row

@@ -67,6 +67,11 @@ class RecordingDeliverer:
         self.hang_first = hang_first
         self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
 
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """It writes an effect like a handler: a whole lease before each row."""
+        del row
+        return True
+
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         del row
         return SpanKind.INTERNAL

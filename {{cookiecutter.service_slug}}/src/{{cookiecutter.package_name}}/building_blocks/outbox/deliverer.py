@@ -52,6 +52,10 @@ class OutboxDeliverer:
         self._breaker = breaker
         self._warned: set[str] = set()
 
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """Local handlers run for as long as they take; a publish is bounded by its timeout."""
+        return row.kind == DOMAIN
+
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         """A publish is a producer span; a local delivery stays inside this service."""
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER

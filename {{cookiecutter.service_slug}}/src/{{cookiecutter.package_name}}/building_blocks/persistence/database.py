@@ -119,6 +119,19 @@ class Database:
         async with self.bookkeeping_engine.begin() as connection:
             yield connection
 
+    @asynccontextmanager
+    async def bookkeeping_statement(self) -> AsyncIterator[AsyncConnection]:
+        """One bookkeeping statement that needs no transaction around it (a claim, a renewal, a
+        group of stamps: each is atomic on its own). On PostgreSQL it runs in autocommit, one
+        round trip instead of BEGIN, statement, COMMIT; on SQLite it is ``bookkeeping()``,
+        whose transaction is what serializes the writers there."""
+        if not self.is_postgresql:
+            async with self.bookkeeping() as connection:
+                yield connection
+            return
+        async with self.bookkeeping_engine.connect() as connection:
+            yield await connection.execution_options(isolation_level="AUTOCOMMIT")
+
     async def ping(self) -> None:
         """Raise unless the database answers (used by /readyz)."""
         async with self.engine.connect() as connection:

@@ -10,7 +10,11 @@ replica), or after the fallback interval. After a cycle it
   backoff ending), capped by the fallback interval, so a retry runs on time rather than one
   interval late;
 * never re-polls at once after a cycle that delivered nothing, so a batch that fails in full
-  cannot hot-spin (failures are recorded, but they are not progress).
+  cannot hot-spin (failures are recorded, but they are not progress);
+* when the table is empty (nothing claimed, nothing waiting) and the wake is reliable (the
+  PostgreSQL LISTEN connection is up, so every commit of every replica wakes it), falls back to
+  the longer idle interval: an idle worker then costs well under one statement a second. The
+  fallback poll stays (NOTIFY is a hint, never the only path), only its pace changes.
 
 Idle cycles log nothing above DEBUG.
 """
@@ -74,10 +78,14 @@ class PollingLoop:
         interval_seconds: float,
         clock: Clock,
         on_cycle: Callable[[CycleResult], None] | None = None,
+        idle_interval_seconds: float | None = None,
+        wake_is_reliable: Callable[[], bool] | None = None,
     ) -> None:
         self.source = source
         self._wake = wake
         self._interval = interval_seconds
+        self._idle_interval = max(interval_seconds, idle_interval_seconds or interval_seconds)
+        self._wake_is_reliable = wake_is_reliable or (lambda: False)
         self._clock = clock
         self._on_cycle = on_cycle
         self.cycles = 0
@@ -99,16 +107,17 @@ class PollingLoop:
                 self._on_cycle(result)
             if result.poll_again_now:
                 continue
-            await self._sleep(await self._smart_wait())
+            await self._sleep(await self._smart_wait(result))
 
-    async def _smart_wait(self) -> float:
+    async def _smart_wait(self, result: CycleResult) -> float:
         try:
             due = await self.source.next_due()
         except Exception:
             log.exception("%s could not compute its next due time", self.source.name)
             return self._interval
         if due is None:
-            return self._interval
+            idle = result.claimed == 0 and self._wake_is_reliable()
+            return self._idle_interval if idle else self._interval
         return max(0.0, min(self._interval, (due - self._clock()).total_seconds()))
 
     async def _sleep(self, seconds: float) -> None:

@@ -1,6 +1,7 @@
 """The outcome of each row, written as soon as the row finishes, guarded by id and lock token.
 
-* delivered: stamped processed (unless the handler's own transaction already did);
+* delivered: stamped processed (unless the handler's own transaction already did), together
+  with the stamps of the rows that finished meanwhile (``stamps``);
 * failed: ``retry_count + 1`` and ``last_error`` (see ``failures``); re-leased for the jittered
   backoff, or dead-lettered with an Error log naming the row;
 * paused (the downstream or the database is down): released without charging a retry;
@@ -28,6 +29,7 @@ from .failures import Failure, classify
 from .leases import LeaseStore
 from .ports import CycleMetrics, SourceSettings
 from .retries import PAUSED_PREFIX, backoff_seconds
+from .stamps import StampGroups
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +55,22 @@ class Outcomes:
         self._clock = clock
         self._metrics = metrics
         self._rng = rng
+        self.stamps = StampGroups(database=database, leases=leases, clock=clock)
+
+    def lease_is_short(self, row: ClaimedRow) -> bool:
+        """Less than half of the lease is left (by this process's clock): time to renew."""
+        left = (row.locked_until - self._clock()).total_seconds()
+        return left < self._settings.lease_seconds / 2
 
     async def renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         """Push the lease to now + lease just before delivery; False when no longer ours."""
         until = self._clock() + timedelta(seconds=self._settings.lease_seconds)
-        async with self._db.bookkeeping() as connection:
+        async with self._db.bookkeeping_statement() as connection:
             return await self._leases.renew(connection, row.id, token, until)
 
     async def stamp(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         """True when the stamp landed; a lost lease is not this processor's progress."""
-        async with self._db.bookkeeping() as connection:
-            stamped = await self._leases.stamp_processed(connection, [row.id], token, self._clock())
+        stamped = await self.stamps.stamp(row.id, token)
         if stamped:
             self.delivered(row)
         else:

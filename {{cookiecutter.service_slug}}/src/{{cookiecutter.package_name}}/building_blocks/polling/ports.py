@@ -23,6 +23,11 @@ class Deliverer(Protocol):
         """Deliver ``row``; ``token`` is its lease, for a stamp written in the same transaction."""
         ...
 
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """True when delivering ``row`` runs handlers, whose time is unbounded: the row then gets
+        a whole lease just before (False for a publish, bounded by its timeout)."""
+        ...
+
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         """How a delivery of ``row`` shows in a trace (producer for a publish)."""
         ...

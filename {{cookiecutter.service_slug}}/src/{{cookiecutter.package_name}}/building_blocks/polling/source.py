@@ -1,5 +1,8 @@
 """One table drained by one processor: claim a batch, then renew -> deliver -> record per row.
 
+(The renewal is skipped for a publish while the claim's lease is still young, and the stamps of
+rows that finish together share one statement: see ``_needs_renewal`` and ``stamps``.)
+
 This is the per-row half of the shared polling core; what "deliver" means is the only thing
 the outbox and the internal-command processors do differently (a ``Deliverer``). Each row's
 outcome is written as soon as it finishes (``outcomes``); a stop in the middle of a cycle is
@@ -9,6 +12,7 @@ outcome is written as soon as it finishes (``outcomes``); a stop in the middle o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -30,6 +34,7 @@ from .outcomes import Outcomes
 from .ports import CycleMetrics, Deliverer, SourceSettings
 from .results import Delivered, PausedError
 from .shutdown import CycleShutdown
+from .slots import DeliverySlot
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +66,13 @@ class TableSource:
         self._instance_id = instance_id
         self._metrics = metrics
         self._tracing: Tracing = tracing or NoTracing()
-        self._claimer = Claimer(table, name_column, batch=settings.batch_size, window=settings.claim_window)
+        self._claimer = Claimer(
+            table,
+            name_column,
+            batch=settings.batch_size,
+            window=settings.claim_window,
+            postgresql=database.is_postgresql,
+        )
         self.leases = LeaseStore(table)
         self.outcomes = Outcomes(
             name=name,
@@ -89,7 +100,7 @@ class TableSource:
         now = self._clock()
         self._last_claim_at = now
         lease_until = now + timedelta(seconds=self.settings.lease_seconds)
-        async with self._db.bookkeeping() as connection:
+        async with self._db.bookkeeping_statement() as connection:
             rows = await self._claimer.claim(
                 connection, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
             )
@@ -102,18 +113,22 @@ class TableSource:
         """Claim a batch and deliver it, up to ``delivery_concurrency`` rows at a time.
 
         Concurrency cannot reorder a key: the claim never puts two rows of one key in a batch.
+        Rows whose delivery runs handlers are also held to the database pool's size.
         Rows are started in ``seq`` order. Every row finishes (or fails) before the cycle ends:
         one row's database error must not leave its batch-mates running unobserved.
         """
         token = uuid.uuid4()
         rows = await self.claim(token)
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
+        # Handlers each hold a database session: no more at once than the pool has connections.
+        handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
         started: set[uuid.UUID] = set()
 
         async def process(row: ClaimedRow) -> bool:
-            async with gate:
+            room = handlers if self._deliverer.needs_fresh_lease(row) else contextlib.nullcontext()
+            async with room, DeliverySlot(gate) as slot:  # a row waiting for room holds no slot
                 started.add(row.id)
-                return await self._process(row, token)
+                return await self._process(row, token, slot)
 
         self._shutdown = self._new_shutdown()
         tasks = [asyncio.ensure_future(process(row)) for row in rows]
@@ -144,14 +159,14 @@ class TableSource:
             ),
         )
 
-    async def _process(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+    async def _process(self, row: ClaimedRow, token: uuid.UUID, slot: DeliverySlot | None = None) -> bool:
         """Renew, deliver, record; True only when the row was delivered.
 
         A failure is recorded but is not progress: a batch that failed in full must not make
         the loop re-poll at once (it would sweep the backlog charging every row a retry while
         the cause, usually a dependency outage, is still there).
         """
-        if not await self.outcomes.renew(row, token):
+        if self._needs_renewal(row) and not await self.outcomes.renew(row, token):
             self.outcomes.lost(row, "before dispatch")
             return False
         attributes: dict[str, AttributeValue] = {
@@ -165,9 +180,20 @@ class TableSource:
             attributes=attributes,
         ) as span:
             # The delivery runs under this span: a published message carries it on.
-            return await self._deliver(dataclasses.replace(row, trace_context=span.traceparent), token, span)
+            traced = dataclasses.replace(row, trace_context=span.traceparent)
+            return await self._deliver(traced, token, span, slot)
 
-    async def _deliver(self, row: ClaimedRow, token: uuid.UUID, span: Span) -> bool:
+    def _needs_renewal(self, row: ClaimedRow) -> bool:
+        """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal: a
+        long handler must not outlive its lease). A publish is bounded by its timeout, far below
+        the lease, so it renews only once half of the claim's lease is gone (a slow batch, or a
+        process that was frozen: the renewal is then what finds the lease lost). That saves a
+        transaction per published row; the stamp stays token-guarded either way."""
+        return self._deliverer.needs_fresh_lease(row) or self.outcomes.lease_is_short(row)
+
+    async def _deliver(
+        self, row: ClaimedRow, token: uuid.UUID, span: Span, slot: DeliverySlot | None
+    ) -> bool:
         write = self._shutdown.write
         try:
             delivered = await self._deliverer.deliver(row, token)
@@ -186,6 +212,8 @@ class TableSource:
                 await write(self.outcomes.fail(row, token, error))
             return False
         if delivered is Delivered.NEEDS_STAMP:
+            if slot is not None:
+                slot.free()  # the next row may publish while this one waits for its stamp group
             return await write(self.outcomes.stamp(row, token))
         self.outcomes.delivered(row)
         return True
@@ -222,8 +250,8 @@ class TableSource:
         waiting = sa.select(sa.func.min(t.available_on)).where(
             pending, t.locked_until.is_(None), t.available_on > seen_until
         )
-        async with self._db.bookkeeping() as connection:
-            first = (await connection.execute(leased)).scalar_one_or_none()
-            second = (await connection.execute(waiting)).scalar_one_or_none()
+        both = sa.select(leased.scalar_subquery(), waiting.scalar_subquery())  # one round trip
+        async with self._db.bookkeeping_statement() as connection:
+            first, second = (await connection.execute(both)).one()
         candidates = [d for d in (first, second) if d is not None]
         return min(candidates) if candidates else None

@@ -43,6 +43,7 @@ class Worker:
         clock: Clock,
         listener: PostgresListener | None,
         polling_interval_seconds: float,
+        idle_polling_interval_seconds: float,
         cleanup_interval_seconds: float,
         metrics_interval_seconds: float,
         shutdown_timeout_seconds: float,
@@ -56,6 +57,7 @@ class Worker:
         self._clock = clock
         self._listener = listener
         self._interval = polling_interval_seconds
+        self._idle_interval = idle_polling_interval_seconds
         self._cleanup_interval = cleanup_interval_seconds
         self._metrics_interval = metrics_interval_seconds
         self._shutdown_timeout = shutdown_timeout_seconds
@@ -78,7 +80,12 @@ class Worker:
     async def start(self) -> None:
         for source in self._sources:
             loop = PollingLoop(
-                source, wake=self._wake.subscribe(), interval_seconds=self._interval, clock=self._clock
+                source,
+                wake=self._wake.subscribe(),
+                interval_seconds=self._interval,
+                clock=self._clock,
+                idle_interval_seconds=self._idle_interval,
+                wake_is_reliable=self._listening,
             )
             self.polling_loops.append(loop)
             self._spawn(loop.run(), f"poll:{source.name}", self._loops)
@@ -88,6 +95,10 @@ class Worker:
         self._spawn(self._sample_depth(), "metrics:pending", self._others)
         await self._bus.start_consuming()
         log.info("worker started: %s", ", ".join(s.name for s in self._sources) or "no processors")
+
+    def _listening(self) -> bool:
+        """Every commit wakes this process (the LISTEN connection is up)."""
+        return self._listener is not None and self._listener.connected.is_set()
 
     async def stop(self) -> None:
         """Processors first (their in-flight outcomes still need the bus), then the bus."""

@@ -1,0 +1,87 @@
+"""Processed stamps written together: one token-guarded UPDATE for every row that finished while
+the previous one was in flight (a group commit).
+
+Why: a stamp of its own per row is a transaction per message, and at the broker's pace those
+round trips, not the publishes, were the relay's limit. A group collects for ``LINGER_SECONDS``
+(5 ms) after its first stamp, and the rows that finish while a flush runs go together in the
+next one. Measured on PostgreSQL + RabbitMQ with 64 publishes in flight: without the linger a
+flush took about 5 rows; with it, about 30. The linger delays the *stamp* only, never the
+publish (the consumer's latency does not include it).
+
+What it keeps: a row is only handed in after its broker confirm, and each caller learns whether
+*its* row was still its own (``RETURNING id``), exactly as with a single stamp; rows of different
+claims (tokens) share the transaction but each is matched against its own token. A failed flush
+fails every stamp of the group, and each of those rows is then treated as the single stamp's
+failure was: it comes back when its lease ends and is published again (consumers dedupe).
+The flush runs as its own task, so a caller cancelled at shutdown does not cancel the stamps of
+its group-mates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections import defaultdict
+
+from ..kernel.clock import Clock
+from ..persistence.database import Database
+from .leases import LeaseStore
+
+log = logging.getLogger(__name__)
+LINGER_SECONDS = 0.005
+
+
+class StampGroups:
+    """Coalesces the processed stamps of one polled table."""
+
+    def __init__(self, *, database: Database, leases: LeaseStore, clock: Clock) -> None:
+        self._db = database
+        self._leases = leases
+        self._clock = clock
+        # SQLite delivers one row at a time: there is nothing to gather, so no linger there.
+        self._linger = LINGER_SECONDS if database.is_postgresql else 0.0
+        self._waiting: dict[uuid.UUID, tuple[uuid.UUID, asyncio.Future[bool]]] = {}
+        self._flushing: asyncio.Task[None] | None = None
+        self.statements = 0  # how many UPDATEs the stamps took (the tests read the coalescing)
+
+    async def stamp(self, row_id: uuid.UUID, token: uuid.UUID) -> bool:
+        """Stamp ``row_id`` processed if it still carries ``token``; True when it did."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[row_id] = (token, future)
+        if self._flushing is None:
+            self._flushing = asyncio.create_task(self._flush_all(), name="stamp-groups")
+        return await asyncio.shield(future)
+
+    async def _flush_all(self) -> None:
+        try:
+            await asyncio.sleep(self._linger)
+            while self._waiting:
+                group, self._waiting = self._waiting, {}
+                await self._flush(group)
+        finally:
+            self._flushing = None
+
+    async def _flush(self, group: dict[uuid.UUID, tuple[uuid.UUID, asyncio.Future[bool]]]) -> None:
+        by_token: defaultdict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+        for row_id, (token, _future) in group.items():
+            by_token[token].append(row_id)
+        try:
+            ours = await self._write(by_token)
+        except Exception as error:  # noqa: BLE001 (every caller of the group gets the failure)
+            for _token, future in group.values():
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for row_id, (_token, future) in group.items():
+            if not future.done():
+                future.set_result(row_id in ours)
+
+    async def _write(self, by_token: dict[uuid.UUID, list[uuid.UUID]]) -> set[uuid.UUID]:
+        ours: set[uuid.UUID] = set()
+        now = self._clock()
+        async with self._db.bookkeeping_statement() as connection:
+            for token, ids in by_token.items():
+                self.statements += 1
+                ours |= await self._leases.stamp_processed(connection, ids, token, now)
+        return ours

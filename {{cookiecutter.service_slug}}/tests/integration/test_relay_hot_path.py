@@ -1,0 +1,199 @@
+"""The relay's hot path: what its shortcuts skip and what they must still guarantee.
+
+* a publish skips the lease renewal only while the claim's lease is young; a frozen or slow
+  cycle still renews, and the renewal still finds a lost row;
+* stamps that finish together share one statement, and each row learns its own outcome (a
+  re-claimed row is not stamped; a failed statement fails every stamp of its group);
+* an empty table waits the idle interval only while the wake is reliable;
+* the claim's plan on PostgreSQL uses its indexes, so a schema change cannot make it a scan.
+
+Timing is not asserted here (that is ``make bench``): statements, rows and plans are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timedelta
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.leases import LeaseStore
+from {{ cookiecutter.package_name }}.building_blocks.polling.loop import CycleResult, PollingLoop
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource
+from {{ cookiecutter.package_name }}.container import Container, build_container
+
+from ..conftest import FakeClock, make_settings
+from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+
+
+async def claim_all(source: TableSource) -> tuple[list[ClaimedRow], uuid.UUID]:
+    token = uuid.uuid4()
+    return await source.claim(token), token
+
+
+async def take_over(container: Container, row_id: uuid.UUID) -> None:
+    async with container.database().session() as session:
+        await session.exec(  # type: ignore[call-overload]
+            OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == row_id).values(lock_token=uuid.uuid4())
+        )
+        await session.commit()
+
+
+async def test_a_publish_renews_only_once_half_its_lease_is_gone(container: Container) -> None:
+    clock = FakeClock()
+    young_id, old_id, lost_id = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
+    deliverer = ScriptedDeliverer(fresh_lease=False)
+    source = outbox_source(container, deliverer, clock, lease_seconds=60)
+    (young, old, lost), token = await claim_all(source)
+    claimed_until = (await state(container, young_id)).locked_until
+
+    clock.advance(20)  # 40 s of 60 left: no renewal, the claim's lease stands
+    assert await source._process(young, token)
+    assert (await state(container, young_id)).processed_on is not None
+    assert deliverer.delivered[-1].locked_until == claimed_until
+
+    clock.advance(15)  # 25 s left, under half: renewed to a whole lease before the publish
+    assert await source._process(old, token)
+    assert (await state(container, old_id)).processed_on is not None
+
+    await take_over(container, lost_id)  # another replica took it while this cycle was slow
+    assert not await source._process(lost, token)
+    assert [r.id for r in deliverer.delivered] == [young_id, old_id]  # the lost one never published
+
+
+async def test_handler_rows_always_get_a_whole_lease_first(container: Container) -> None:
+    clock = FakeClock()
+    (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    seen: list[Any] = []
+
+    async def handler(claimed: ClaimedRow) -> Delivered:
+        seen.append((await state(container, claimed.id)).locked_until)
+        return Delivered.NEEDS_STAMP
+
+    source = outbox_source(container, ScriptedDeliverer(handler, fresh_lease=True), clock, lease_seconds=60)
+    (claimed,), token = await claim_all(source)
+    clock.advance(1)
+    assert await source._process(claimed, token)
+    assert seen == [clock.now + timedelta(seconds=60)]
+    assert (await state(container, row_id)).processed_on is not None
+
+
+async def test_stamps_finishing_together_share_one_statement_and_each_learns_its_own(
+    container: Container,
+) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(6)])
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    rows, token = await claim_all(source)
+    await take_over(container, ids[2])
+    stamps = source.outcomes.stamps
+    before = stamps.statements
+
+    results = await asyncio.gather(*(stamps.stamp(r.id, token) for r in rows))
+
+    assert stamps.statements == before + 1
+    assert dict(zip([r.id for r in rows], results, strict=True)) == {i: i != ids[2] for i in ids}
+    stamped = [(await state(container, i)).processed_on is not None for i in ids]
+    assert stamped == [i != ids[2] for i in ids]
+
+
+async def test_a_failed_group_fails_every_stamp_in_it(
+    container: Container, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    rows, token = await claim_all(source)
+
+    async def refused(*_args: object, **_kwargs: object) -> set[uuid.UUID]:
+        raise ConnectionResetError("database went away")
+
+    monkeypatch.setattr(LeaseStore, "stamp_processed", refused)
+    results = await asyncio.gather(
+        *(source.outcomes.stamps.stamp(r.id, token) for r in rows), return_exceptions=True
+    )
+    assert [type(result) for result in results] == [ConnectionResetError] * 3
+    assert [(await state(container, i)).processed_on for i in ids] == [None] * 3  # they come back
+
+
+class EmptySource:
+    name = "empty"
+
+    async def run_cycle(self) -> CycleResult:
+        return CycleResult()
+
+    async def next_due(self) -> datetime | None:
+        return None
+
+
+@pytest.mark.parametrize(
+    ("claimed", "reliable", "expected"),
+    [(0, True, 10.0), (0, False, 2.0), (3, True, 2.0)],
+    ids=["empty-and-listening", "empty-without-listener", "rows-were-claimed"],
+)
+async def test_an_empty_table_waits_the_idle_interval_only_while_the_wake_is_reliable(
+    claimed: int, reliable: bool, expected: float
+) -> None:
+    loop = PollingLoop(
+        EmptySource(),
+        wake=asyncio.Event(),
+        interval_seconds=2.0,
+        clock=FakeClock(),
+        idle_interval_seconds=10.0,
+        wake_is_reliable=lambda: reliable,
+    )
+    assert await loop._smart_wait(CycleResult(claimed=claimed)) == expected
+
+
+@pytest.mark.postgres
+async def test_the_claim_plan_uses_indexes_not_a_scan_of_the_outbox(postgres_url: str) -> None:
+    """With enough rows that a scan would be the wrong plan, the claim must find its rows
+    through indexes: a migration that drops or changes them shows here, not in production."""
+    container = build_container(make_settings(postgres_url))
+    try:
+        clock = FakeClock()
+        await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
+        await insert_rows(container, [row("kit.k.v1", clock.now, key=f"k-{i % 10}") for i in range(50)])
+        async with container.database().bookkeeping() as connection:
+            await connection.execute(
+                sa.text(
+                    "INSERT INTO outbox_messages (id, seq, event_name, kind, payload, occurred_on, "
+                    "available_on, processed_on, retry_count) "
+                    "SELECT gen_random_uuid(), nextval(pg_get_serial_sequence('outbox_messages', 'seq')), "
+                    "'kit.done.v1', 'integration', '{}', now(), now(), now(), 0 "
+                    "FROM generate_series(1, 20000)"
+                )
+            )
+            await connection.execute(sa.text("ANALYZE outbox_messages"))
+        source = outbox_source(container, ScriptedDeliverer(), clock)
+        plan = await explained(container, source)
+        assert "Seq Scan on outbox_messages" not in plan, plan
+        assert "Index" in plan, plan
+    finally:
+        await container.database().dispose()
+
+
+async def explained(container: Container, source: TableSource) -> str:
+    """The plan of the real claim statement with its real parameters: ``EXPLAIN`` is put in
+    front of it on its way to the driver, so it is planned but never run."""
+    engine = container.database().bookkeeping_engine.sync_engine
+
+    def explain(*args: Any) -> tuple[str, Any]:
+        statement, parameters = args[2], args[3]
+        return f"EXPLAIN (COSTS OFF) {statement}", parameters
+
+    clock = FakeClock()
+    params = {"now": clock.now, "lease_until": clock.now, "token": uuid.uuid4(), "locked_by": "plan"}
+    sa.event.listen(engine, "before_cursor_execute", explain, retval=True)
+    try:
+        async with container.database().bookkeeping() as connection:
+            result = await connection.execute(source._claimer.statement, params)
+            return "\n".join(str(line[0]) for line in result.all())
+    finally:
+        sa.event.remove(engine, "before_cursor_execute", explain)
