@@ -40,12 +40,24 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import Consumer
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import build_transport
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import EndpointNames
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import Delivery
-from {{ cookiecutter.package_name }}.settings import Settings
+from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import (
+    Consumer,
+)
+from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
+    build_transport,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+    EndpointNames,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import (
+    Delivery,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 from .common import COUNTER, EVENT_TYPES, BenchKeyed, BenchTicked, bench_container, percentile
 

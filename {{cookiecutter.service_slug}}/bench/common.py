@@ -32,12 +32,27 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import IntegrationEvent
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import RequestContext, use_context
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import InboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.container import Container, build_container
-from {{ cookiecutter.package_name }}.settings import Settings
+from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+    IntegrationEvent,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    RequestContext,
+    use_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+    InboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 BENCH_ROOT = Path(__file__).resolve().parent.parent
 URLS = {

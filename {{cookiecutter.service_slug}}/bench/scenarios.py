@@ -43,15 +43,34 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import UnitOfWork
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import FastStreamBus, build_transport
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import EndpointNames
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import use_context
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.container import Container
-from {{ cookiecutter.package_name }}.entrypoints import migrations
+from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+    UnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
+    FastStreamBus,
+    build_transport,
+)
+from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+    EndpointNames,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import (
+    capture,
+)
+from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+    use_context,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+    Envelope,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
+from {{ cookiecutter.package_name }}.entrypoints import (
+    migrations,
+)
 
 from .common import (
     BENCH_CONTEXT,

@@ -553,6 +553,7 @@ async def test_shutdown_writes_and_release_share_one_deadline(container: Contain
         await cycle
     assert time.monotonic() - started < 1.6  # 1 s in all, not 1 s for each of the two steps
     assert [(await state(container, i)).processed_on for i in ids] == [None, None]
+    assert not source.outcomes.stamps.flushing  # the stalled stamp did not outlive the cycle
 
 
 async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container: Container) -> None:

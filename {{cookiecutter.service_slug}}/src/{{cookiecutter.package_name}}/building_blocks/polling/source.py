@@ -137,6 +137,7 @@ class TableSource:
                 await asyncio.wait(tasks)  # not gather: a cancelled gather waits for its children
             except asyncio.CancelledError:
                 await self._shutdown.stop(tasks, rows, started, token)
+                await self.outcomes.stamps.settle(self._shutdown.deadline())
                 raise
         return self._result(rows, tasks)
 

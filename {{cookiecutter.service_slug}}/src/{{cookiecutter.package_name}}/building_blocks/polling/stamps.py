@@ -14,7 +14,9 @@ claims (tokens) share the transaction but each is matched against its own token.
 fails every stamp of the group, and each of those rows is then treated as the single stamp's
 failure was: it comes back when its lease ends and is published again (consumers dedupe).
 The flush runs as its own task, so a caller cancelled at shutdown does not cancel the stamps of
-its group-mates.
+its group-mates (its own row stays in the group and is still written). The cycle's shutdown
+gives that task the rest of its deadline (``settle``) and then cancels it, so no write outlives
+the cycle and no connection is held past it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,28 @@ class StampGroups:
         self._waiting[row_id] = (token, future)
         if self._flushing is None:
             self._flushing = asyncio.create_task(self._flush_all(), name="stamp-groups")
-        return await asyncio.shield(future)
+        # Not shielded: a cancelled caller cancels only its future, which the flush then skips.
+        return await future
+
+    @property
+    def flushing(self) -> bool:
+        """True while a flush task runs (none may outlive a cancelled cycle)."""
+        return self._flushing is not None
+
+    async def settle(self, deadline: float) -> None:
+        """Let a running flush finish until ``deadline`` (the loop's clock), then cancel it.
+
+        Called when a cycle is cancelled, after its deliveries stopped: the stamps already handed
+        in are written if the database answers in time; any left are simply not stamped, and
+        their rows come back when their leases end.
+        """
+        flushing = self._flushing
+        if flushing is None:
+            return
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        await asyncio.wait([flushing], timeout=timeout)
+        flushing.cancel()
+        await asyncio.wait([flushing])  # wait, not await: our own cancellation must not be lost
 
     async def _flush_all(self) -> None:
         try:
@@ -61,6 +84,9 @@ class StampGroups:
                 await self._flush(group)
         finally:
             self._flushing = None
+            group, self._waiting = self._waiting, {}
+            for _token, future in group.values():  # only left when the flush was cancelled
+                future.cancel()
 
     async def _flush(self, group: dict[uuid.UUID, tuple[uuid.UUID, asyncio.Future[bool]]]) -> None:
         by_token: defaultdict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
@@ -68,6 +94,10 @@ class StampGroups:
             by_token[token].append(row_id)
         try:
             ours = await self._write(by_token)
+        except asyncio.CancelledError:
+            for _token, future in group.values():
+                future.cancel()
+            raise
         except Exception as error:  # noqa: BLE001 (every caller of the group gets the failure)
             for _token, future in group.values():
                 if not future.done():
