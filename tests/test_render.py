@@ -70,6 +70,18 @@ def test_compose_reads_secrets_from_env_and_publishes_on_loopback(
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_compose_probes_the_worker_on_a_port_of_its_own(bakes: dict[str, Path], variant: str) -> None:
+    """The worker serves /livez, /readyz and /metrics only when given a port: compose gives it one,
+    publishes it on loopback and probes its /livez (not the API's, not the database)."""
+    worker = yaml.safe_load((bakes[variant] / "docker-compose.yml").read_text())["services"]["worker"]
+    command = worker["command"]
+    port = command[command.index("--port") + 1]
+    assert port != "8000"
+    assert worker["ports"] == [f"127.0.0.1:{port}:{port}"]
+    assert f"http://localhost:{port}/livez" in " ".join(worker["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_no_template_syntax_is_left(bakes: dict[str, Path], variant: str) -> None:
     offenders = []
     for path in text_files(bakes[variant]):

@@ -140,6 +140,7 @@ class Container(containers.DeclarativeContainer):
         cleanup_interval_seconds=settings.provided.outbox.cleanup_interval_seconds,
         metrics_interval_seconds=settings.provided.outbox.metrics_interval_seconds,
         shutdown_timeout_seconds=settings.provided.outbox.shutdown_timeout_seconds,
+        liveness_timeout_seconds=settings.provided.liveness_timeout_seconds,
     )
 
 

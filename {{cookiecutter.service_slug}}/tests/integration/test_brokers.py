@@ -188,6 +188,28 @@ async def test_the_senders_context_travels_across_the_broker(start: Start, trans
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_faststreams_broker_metrics_count_what_crossed_the_broker(start: Start, transport: str) -> None:
+    """FastStream's own Prometheus middleware reports into the service's registry (the one
+    ``/metrics`` serves), beside the relay's metrics: the relay's publish and the consumer's receipt."""
+    container, observer = await start(transport)
+    await publish_through_outbox(container, 1)
+    await eventually(lambda: len(observer.seen) == 1)
+    registry = container.metrics().registry
+
+    def total(name: str) -> float:
+        return sum(
+            sample.value
+            for metric in registry.collect()
+            for sample in metric.samples
+            if sample.name == name and sample.labels.get("broker") == transport
+        )
+
+    await eventually(lambda: total("faststream_received_processed_messages_total") >= 1)
+    assert total("faststream_published_messages_total") >= 1
+    assert total("faststream_received_messages_total") >= 1
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_context_with_non_ascii_values_travels_across_the_broker(
     start: Start, transport: str
 ) -> None:

@@ -3,7 +3,8 @@
 * a publish skips the lease renewal only while the claim's lease is young; a frozen or slow
   cycle still renews, and the renewal still finds a lost row;
 * stamps that finish together share one statement, and each row learns its own outcome (a
-  re-claimed row is not stamped; a failed statement fails every stamp of its group);
+  re-claimed row is not stamped; a failed statement fails every stamp of its group; a dropped
+  connection is tried again);
 * an empty table waits the idle interval only while the wake is reliable;
 * the claim's plan on PostgreSQL uses its indexes, so a schema change cannot make it a scan.
 
@@ -130,6 +131,59 @@ class EmptySource:
 
     async def next_due(self) -> datetime | None:
         return None
+
+
+def dropped_connection() -> sa.exc.DBAPIError:
+    return sa.exc.DBAPIError("UPDATE", {}, Exception("terminating connection"), connection_invalidated=True)
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["lost", "written-but-unanswered"])
+async def test_a_group_whose_connection_dropped_is_written_on_a_fresh_one(
+    container: Container, monkeypatch: pytest.MonkeyPatch, written: bool
+) -> None:
+    """A terminated connection (a failover, ``pg_terminate_backend``) does not leave a group of
+    confirmed rows to be published again: the flush is tried again, and a row the dropped
+    attempt did write is still reported as ours."""
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    rows, token = await claim_all(source)
+    original = LeaseStore.stamp_processed
+    attempts: list[int] = []
+
+    async def drops_the_first(self: LeaseStore, *args: Any, **kwargs: Any) -> set[uuid.UUID]:
+        attempts.append(1)
+        if len(attempts) == 1:
+            if written:
+                await original(self, *args, **kwargs)
+            raise dropped_connection()
+        return await original(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeaseStore, "stamp_processed", drops_the_first)
+    results = await asyncio.gather(*(source.outcomes.stamps.stamp(r.id, token) for r in rows))
+    assert results == [True, True, True]
+    assert len(attempts) == 2
+    assert all([(await state(container, i)).processed_on is not None for i in ids])
+
+
+async def test_a_group_the_database_keeps_refusing_fails_after_its_retries(
+    container: Container, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now)])
+    source = outbox_source(container, ScriptedDeliverer(), clock)
+    (claimed,), token = await claim_all(source)
+    attempts: list[int] = []
+
+    async def always_dropped(*_args: object, **_kwargs: object) -> set[uuid.UUID]:
+        attempts.append(1)
+        raise dropped_connection()
+
+    monkeypatch.setattr(LeaseStore, "stamp_processed", always_dropped)
+    with pytest.raises(sa.exc.DBAPIError):
+        await source.outcomes.stamps.stamp(claimed.id, token)
+    assert len(attempts) == 3
+    assert (await state(container, ids[0])).processed_on is None  # it comes back at its lease end
 
 
 @pytest.mark.parametrize(

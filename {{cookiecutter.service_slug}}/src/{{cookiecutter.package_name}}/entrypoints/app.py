@@ -1,7 +1,8 @@
 """The FastAPI application factory.
 
 The lifespan validates the wiring (start-up diagnostics), connects the message bus, and, when
-asked (``run``), starts the worker in the same process. Tests use a real ASGI server or
+asked (``run``), starts the worker in the same process. ``create_worker_app`` is what
+``worker --port`` serves: the worker and its probes, no API. Tests use a real ASGI server or
 ``TestClient`` as a context manager, which run the lifespan (httpx's ASGITransport does not).
 """
 
@@ -13,7 +14,7 @@ from ..building_blocks.web.errors import install_error_handlers
 from ..building_blocks.web.http import RequestContextMiddleware
 from ..container import Container
 from .admin_api import build_admin_router
-from .health import add_health_routes
+from .health import add_asyncapi_route, add_probe_routes
 from .lifespan import lifespan
 
 
@@ -32,9 +33,23 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
 
-    add_health_routes(app, container)
+    add_probe_routes(app, container, worker=container.worker() if with_worker else None)
+    add_asyncapi_route(app, container)
     app.include_router(build_admin_router(settings.auth.admin_role, settings.auth.operator_role))
     for module in container.modules():
         for router in module.routers:
             app.include_router(router)
+    return app
+
+
+def create_worker_app(container: Container) -> FastAPI:
+    """The worker with ``/livez``, ``/readyz`` and ``/metrics`` only (no API, no documents)."""
+    app = FastAPI(
+        title=f"{SERVICE_NAME} worker",
+        lifespan=lifespan(container, with_worker=True),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+    add_probe_routes(app, container, worker=container.worker())
     return app

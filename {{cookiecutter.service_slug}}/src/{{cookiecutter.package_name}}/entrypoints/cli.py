@@ -18,8 +18,8 @@ from . import migrations
 from .cli_errors import EXIT_CONFIG, CliError, load_settings
 from .cli_outbox import login_name, run_outbox_command
 from .logging_setup import configure_logging
-from .serving import refuse_the_published_secret_beyond_loopback, serve
-from .worker_process import run_worker
+from .serving import listening_socket, refuse_the_published_secret_beyond_loopback, serve
+from .worker_process import run_worker, serve_worker
 
 
 def _token(args: argparse.Namespace, container: Container) -> None:
@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         serve = commands.add_parser(name, help=text)
         serve.add_argument("--host", default=None, help="default API__HOST (127.0.0.1)")
         serve.add_argument("--port", type=int, default=None, help="default API__PORT (8000)")
-    commands.add_parser("worker", help="processors and consumers until SIGTERM")
+    worker = commands.add_parser("worker", help="processors and consumers until SIGTERM")
+    worker.add_argument("--host", default=None, help="default WORKER__HOST (127.0.0.1)")
+    worker.add_argument(
+        "--port", type=int, default=None, help="serve /livez, /readyz, /metrics (default WORKER__PORT: none)"
+    )
     migrate = commands.add_parser("migrate", help="apply the database migrations")
     migrate.add_argument("--revision", default="head")
     token = commands.add_parser("token", help="print a development JWT")
@@ -96,9 +100,15 @@ def run(argv: Sequence[str] | None = None) -> int:
         host = args.host or settings.api.host
         port = settings.api.port if args.port is None else args.port
         refuse_the_published_secret_beyond_loopback(settings, host)
-        asyncio.run(serve(container, host, port, with_worker=args.command == "run"))
+        listening = listening_socket(host, port)
+        asyncio.run(serve(container, listening, with_worker=args.command == "run"))
     elif args.command == "worker":
-        asyncio.run(run_worker(container))
+        port = settings.worker.port if args.port is None else args.port
+        if port is None:
+            asyncio.run(run_worker(container))
+        else:
+            listening = listening_socket(args.host or settings.worker.host, port)
+            asyncio.run(serve_worker(container, listening))
     elif args.command == "migrate":
         migrations.upgrade(settings.database.url, args.revision)
     elif args.command == "token":

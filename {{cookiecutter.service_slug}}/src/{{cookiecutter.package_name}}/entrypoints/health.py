@@ -1,5 +1,12 @@
-"""The service's own routes: liveness, readiness (the database and the bus answer), metrics in the
-Prometheus text format, and the AsyncAPI document of its messages."""
+"""The probe routes every serving process has: liveness, readiness (the database and the bus
+answer) and metrics in the Prometheus text format; and the AsyncAPI document, on the API only.
+
+Liveness and readiness answer different questions. ``/readyz`` fails while a dependency is
+down: route no traffic here, but do not restart (a restart would not bring the database back).
+``/livez`` fails only when this process is stuck: a processor loop that stopped turning (see
+``Worker.stalled``); then a restart is the cure. The API alone has no loop, so its ``/livez``
+only proves the event loop answers.
+"""
 
 from typing import Any
 
@@ -9,15 +16,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..building_blocks.brokers.asyncapi import asyncapi_document
 from ..building_blocks.kernel.redaction import mask_credentials
+from ..building_blocks.runtime.worker import Worker
 from ..container import Container
 
 
-def add_health_routes(app: FastAPI, container: Container) -> None:
-    settings = container.settings()
+def add_probe_routes(app: FastAPI, container: Container, *, worker: Worker | None) -> None:
+    """``/livez`` (the worker's loops turn, when this process runs one), ``/readyz``, ``/metrics``."""
 
     @app.get("/livez", tags=["health"])
-    async def livez() -> dict[str, str]:
-        return {"status": "ok"}
+    async def livez() -> JSONResponse:
+        stalled = worker.stalled() if worker is not None else []
+        if stalled:
+            return JSONResponse({"status": "stalled", "stalled": stalled}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/readyz", tags=["health"])
     async def readyz() -> JSONResponse:
@@ -36,6 +47,10 @@ def add_health_routes(app: FastAPI, container: Container) -> None:
     @app.get("/metrics", tags=["health"])
     async def metrics() -> Response:
         return Response(generate_latest(container.metrics().registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def add_asyncapi_route(app: FastAPI, container: Container) -> None:
+    settings = container.settings()
 
     @app.get("/asyncapi", tags=["messaging"])
     async def asyncapi() -> dict[str, Any]:

@@ -1,11 +1,13 @@
-"""Serving HTTP: run (API and worker in one process) and api, with the development banner (what to
-try first, credentials masked), and the refusal to serve the published development secret beyond
-loopback."""
+"""Serving HTTP: run (API and worker in one process), api, and the worker's probes, each on a
+socket bound before anything starts; the development banner (what to try first, credentials
+masked); and the refusal to serve the published development secret beyond loopback."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING
 
@@ -19,24 +21,50 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
 
-async def serve(container: Container, host: str, port: int, *, with_worker: bool) -> None:
-    import uvicorn  # noqa: PLC0415 (not needed by the other commands)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything starts, so a port already taken is one clear line, not a banner
+    followed by a server's traceback."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family)  # SO_REUSEADDR, as uvicorn binds
+    except OSError as error:
+        reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+        msg = f"cannot listen on {host}:{port}: {reason} (pass --port, or stop what listens there)"
+        raise CliError(msg) from None
 
+
+def bound_port(listening: socket.socket) -> int:
+    return int(listening.getsockname()[1])
+
+
+async def serve(container: Container, listening: socket.socket, *, with_worker: bool) -> None:
+    """``run`` and ``api``: the API (and, for ``run``, the worker) on ``listening``."""
     from .app import create_app  # noqa: PLC0415
 
     settings = container.settings()
     app = create_app(container, with_worker=with_worker)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_config=None, lifespan="on", log_level=settings.logging.level.lower()
-    )
-    server = uvicorn.Server(config)
     if settings.environment.value == "development":
-        print_banner(settings, app, f"http://{host}:{port}", with_worker=with_worker)
+        base = f"http://{socket_host(listening)}:{bound_port(listening)}"
+        print_banner(settings, app, base, with_worker=with_worker)
+    await serve_app(app, listening, settings.logging.level)
+
+
+async def serve_app(app: FastAPI, listening: socket.socket, log_level: str) -> None:
+    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT."""
+    import uvicorn  # noqa: PLC0415 (not needed by the other commands)
+
+    config = uvicorn.Config(app, log_config=None, lifespan="on", log_level=log_level.lower())
+    server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _already_stopped)
-    await server.serve()
+    await server.serve(sockets=[listening])
+
+
+def socket_host(listening: socket.socket) -> str:
+    host = str(listening.getsockname()[0])
+    return f"[{host}]" if ":" in host else host
 
 
 ORDER_EXAMPLE = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'

@@ -16,6 +16,7 @@ from .service import (
     LoggingSettings,
     TelemetrySettings,
     Tracing,
+    WorkerSettings,
 )
 
 __all__ = [
@@ -36,4 +37,5 @@ __all__ = [
     "TelemetrySettings",
     "Tracing",
     "Transport",
+    "WorkerSettings",
 ]

@@ -1,7 +1,7 @@
 """Every runtime knob, read from the environment (nested with ``__``, no prefix) and ``.env``.
 
 Defaults (polling 2 s, processing delay 5 s, lease 300 s, five retries,
-backoff base 10 s, batch 50, retention 7 days). The embedded default is a SQLite file and the
+backoff base 10 s, batch 100, retention 7 days). The embedded default is a SQLite file and the
 in-process transport, so a fresh checkout runs with no server at all.
 
 ``MESSAGE_BUS__ENABLE_OUTBOX`` and ``MESSAGE_BUS__ENABLE_INBOX`` are tri-state: unset resolves ON
@@ -26,6 +26,7 @@ from .service import (
     Environment,
     LoggingSettings,
     TelemetrySettings,
+    WorkerSettings,
 )
 
 
@@ -47,12 +48,38 @@ class Settings(BaseSettings):
     inbox: InboxSettings = InboxSettings()
     auth: AuthSettings = AuthSettings()
     api: ApiSettings = ApiSettings()
+    worker: WorkerSettings = WorkerSettings()
     logging: LoggingSettings = LoggingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
 
     @property
     def is_production(self) -> bool:
         return self.environment is Environment.PRODUCTION
+
+    @property
+    def liveness_timeout_seconds(self) -> float:
+        """How long a processor loop may go without a turn before ``/livez`` fails: a cycle is
+        bounded by the lease (a handler that outlives it loses its row anyway), and between
+        cycles a loop sleeps at most its idle interval; three of those leave room for a slow
+        database without restarting a worker that is merely busy."""
+        outbox = self.outbox
+        idle = max(outbox.polling_interval_seconds, outbox.idle_polling_interval_seconds)
+        return self.worker.liveness_timeout_seconds or outbox.lease_seconds + 3 * idle
+
+    @model_validator(mode="after")
+    def _refuse_a_liveness_shorter_than_a_sleep(self) -> Self:
+        """An idle loop sleeps up to its idle interval: a shorter liveness timeout would fail
+        ``/livez`` on every idle worker and have the orchestrator restart it for nothing."""
+        timeout, outbox = self.worker.liveness_timeout_seconds, self.outbox
+        longest_sleep = max(outbox.polling_interval_seconds, outbox.idle_polling_interval_seconds)
+        if timeout is not None and timeout <= longest_sleep:
+            msg = (
+                f"WORKER__LIVENESS_TIMEOUT_SECONDS ({timeout:g}) must be longer than the longest sleep "
+                f"of a processor loop ({longest_sleep:g} s: OUTBOX__IDLE_POLLING_INTERVAL_SECONDS and "
+                "OUTBOX__POLLING_INTERVAL_SECONDS)"
+            )
+            raise ValueError(msg)
+        return self
 
     @model_validator(mode="after")
     def _refuse_unsafe_combinations(self) -> Self:

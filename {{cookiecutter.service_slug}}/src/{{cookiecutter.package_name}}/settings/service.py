@@ -53,6 +53,22 @@ class ApiSettings(BaseModel):
     max_body_bytes: int = Field(default=1_048_576, ge=1)
 
 
+class WorkerSettings(BaseModel):
+    """Where ``worker`` serves ``/livez``, ``/readyz`` and ``/metrics``, and when it is stalled.
+
+    Without a port the worker serves nothing, so several workers can share a host; give each its
+    own port (``WORKER__PORT`` or ``--port``) to scrape and probe it.
+    """
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, le=65535)
+    liveness_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="A processor loop silent this long fails /livez; unset = lease + 3 idle intervals",
+    )
+
+
 class LoggingSettings(BaseModel):
     """Plain text for people, JSON lines for machines."""
 

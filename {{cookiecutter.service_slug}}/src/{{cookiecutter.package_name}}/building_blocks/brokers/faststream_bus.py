@@ -75,6 +75,7 @@ class FastStreamBus:
         self._metrics = metrics
         self.names = EndpointNames(namespace, settings.preserve_default_endpoint_names)
         self.transport = build_transport(settings, self.names, registry)
+        self.transport.count_in(metrics.registry)
         self._consumers = handlers.consumers
         wrapper = ConsumeWrapper(settings=settings, pipeline=pipeline, metrics=metrics)
         for consumer in self._consumers:

@@ -57,6 +57,14 @@ class LeaseStore:
         result = await connection.execute(statement)
         return {row[0] for row in result}
 
+    async def stamped_at(
+        self, connection: AsyncConnection, ids: Collection[uuid.UUID], now: datetime
+    ) -> set[uuid.UUID]:
+        """The rows of ``ids`` stamped processed at exactly ``now``: an earlier attempt of the same
+        stamp that was written although its connection dropped before the answer came back."""
+        statement = sa.select(self._c.id).where(self._c.id.in_(list(ids)), self._c.processed_on == now)
+        return {row[0] for row in await connection.execute(statement)}
+
     async def release(
         self,
         connection: AsyncConnection,

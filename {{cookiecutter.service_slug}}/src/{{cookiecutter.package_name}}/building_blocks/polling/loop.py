@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -89,9 +90,11 @@ class PollingLoop:
         self._clock = clock
         self._on_cycle = on_cycle
         self.cycles = 0
+        self.last_turn = time.monotonic()  # read by the worker's liveness (see ``Worker.stalled``)
 
     async def run(self) -> None:
         while True:
+            self.last_turn = time.monotonic()
             self._wake.clear()
             try:
                 result = await self.source.run_cycle()
@@ -103,6 +106,7 @@ class PollingLoop:
                 await self._sleep(self._interval)
                 continue
             self.cycles += 1
+            self.last_turn = time.monotonic()
             if self._on_cycle is not None:
                 self._on_cycle(result)
             if result.poll_again_now:

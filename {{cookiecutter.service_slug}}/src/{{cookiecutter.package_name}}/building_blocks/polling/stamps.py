@@ -13,6 +13,11 @@ What it keeps: a row is only handed in after its broker confirm, and each caller
 claims (tokens) share the transaction but each is matched against its own token. A failed flush
 fails every stamp of the group, and each of those rows is then treated as the single stamp's
 failure was: it comes back when its lease ends and is published again (consumers dedupe).
+A flush the database dropped (a connection terminated, a failover) is tried again on a fresh
+connection, twice, after 0.1 s and 0.5 s: the statement is token-guarded, so a second attempt
+cannot stamp a row that is no longer ours, and a row the dropped attempt did write (stamped at
+the same ``now``) is still reported as ours. Without it, one dropped connection would leave a
+whole group of confirmed rows to be published again when their leases end.
 The flush runs as its own task, so a caller cancelled at shutdown does not cancel the stamps of
 its group-mates (its own row stays in the group and is still written). The cycle's shutdown
 gives that task the rest of its deadline (``settle``) and then cancels it, so no write outlives
@@ -25,13 +30,16 @@ import asyncio
 import logging
 import uuid
 from collections import defaultdict
+from datetime import datetime
 
 from ..kernel.clock import Clock
 from ..persistence.database import Database
+from ..persistence.outages import is_database_outage
 from .leases import LeaseStore
 
 log = logging.getLogger(__name__)
 LINGER_SECONDS = 0.005
+RETRY_DELAYS_SECONDS = (0.1, 0.5)
 
 
 class StampGroups:
@@ -108,10 +116,28 @@ class StampGroups:
                 future.set_result(row_id in ours)
 
     async def _write(self, by_token: dict[uuid.UUID, list[uuid.UUID]]) -> set[uuid.UUID]:
-        ours: set[uuid.UUID] = set()
         now = self._clock()
+        dropped = False
+        for delay in RETRY_DELAYS_SECONDS:
+            try:
+                return await self._write_once(by_token, now, after_a_drop=dropped)
+            except Exception as error:
+                if not is_database_outage(error):
+                    raise
+                log.warning("processed stamps not written (%s); trying again in %.1f s", error, delay)
+            dropped = True
+            await asyncio.sleep(delay)
+        return await self._write_once(by_token, now, after_a_drop=True)
+
+    async def _write_once(
+        self, by_token: dict[uuid.UUID, list[uuid.UUID]], now: datetime, *, after_a_drop: bool
+    ) -> set[uuid.UUID]:
+        ours: set[uuid.UUID] = set()
         async with self._db.bookkeeping_statement() as connection:
             for token, ids in by_token.items():
                 self.statements += 1
                 ours |= await self._leases.stamp_processed(connection, ids, token, now)
+            missing = {row_id for ids in by_token.values() for row_id in ids} - ours
+            if after_a_drop and missing:  # written by the attempt whose answer was lost?
+                ours |= await self._leases.stamped_at(connection, missing, now)
         return ours

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ class Worker:
         cleanup_interval_seconds: float,
         metrics_interval_seconds: float,
         shutdown_timeout_seconds: float,
+        liveness_timeout_seconds: float = 600.0,
     ) -> None:
         self._sources = sources
         self._wake = wake
@@ -61,9 +63,11 @@ class Worker:
         self._cleanup_interval = cleanup_interval_seconds
         self._metrics_interval = metrics_interval_seconds
         self._shutdown_timeout = shutdown_timeout_seconds
+        self._liveness_timeout = liveness_timeout_seconds
         self._loops: list[asyncio.Task[None]] = []
         self._others: list[asyncio.Task[None]] = []
         self.polling_loops: list[PollingLoop] = []
+        self._turning: list[tuple[PollingLoop, asyncio.Task[None]]] = []
 
     def _spawn(
         self, coroutine: Coroutine[Any, Any, None], name: str, group: list[asyncio.Task[None]]
@@ -89,6 +93,7 @@ class Worker:
             )
             self.polling_loops.append(loop)
             self._spawn(loop.run(), f"poll:{source.name}", self._loops)
+            self._turning.append((loop, self._loops[-1]))
         if self._listener is not None:
             self._spawn(self._listener.run(), "listen:postgres", self._others)
         self._spawn(self._cleaner.run(self._cleanup_interval), "cleanup", self._others)
@@ -96,12 +101,30 @@ class Worker:
         await self._bus.start_consuming()
         log.info("worker started: %s", ", ".join(s.name for s in self._sources) or "no processors")
 
+    def stalled(self) -> list[str]:
+        """The processor loops that stopped turning: their task ended (it never should before
+        ``stop``), or no cycle began or ended within the liveness timeout (a hung cycle).
+        ``/livez`` fails while this is not empty, so the orchestrator restarts the process.
+
+        A cycle that fails (the database is down) still turns the loop: an outage is for
+        ``/readyz`` to report, and restarting a worker would not end it."""
+        now = time.monotonic()
+        stalled = []
+        for loop, task in self._turning:
+            silent = now - loop.last_turn
+            if task.done():
+                stalled.append(f"{loop.source.name}: its loop ended")
+            elif silent > self._liveness_timeout:
+                stalled.append(f"{loop.source.name}: no turn for {silent:.0f} s")
+        return stalled
+
     def _listening(self) -> bool:
         """Every commit wakes this process (the LISTEN connection is up)."""
         return self._listener is not None and self._listener.connected.is_set()
 
     async def stop(self) -> None:
         """Processors first (their in-flight outcomes still need the bus), then the bus."""
+        self._turning.clear()
         for group in (self._loops, self._others):
             for task in group:
                 task.cancel()

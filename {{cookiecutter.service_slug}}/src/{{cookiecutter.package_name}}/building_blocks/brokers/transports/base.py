@@ -19,10 +19,13 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .headers import message_id_of
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,11 @@ class FastStreamTransport:
 
     broker: Any
     label = "the broker"
+    # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
+    metrics_middleware: Callable[..., Any]
+
+    def count_in(self, registry: CollectorRegistry) -> None:
+        self.broker.add_middleware(self.metrics_middleware(registry=registry))
 
     async def connect(self) -> None:
         await self.broker.connect()

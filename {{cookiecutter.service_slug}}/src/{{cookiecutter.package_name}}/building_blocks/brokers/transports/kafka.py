@@ -55,6 +55,7 @@ from aiokafka.errors import (
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
+from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 
 from ....settings import MessageBusSettings
 from ...application.handler_types import Consumer
@@ -71,6 +72,7 @@ from .ports import DeadLetterCopy, DeliveryHandler
 
 class KafkaTransport(FastStreamTransport):
     label = "Kafka"
+    metrics_middleware = KafkaPrometheusMiddleware
     broker: KafkaBroker
 
     def __init__(

@@ -21,6 +21,7 @@ from typing import Any
 from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
+from faststream.nats.prometheus import NatsPrometheusMiddleware
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
@@ -39,6 +40,7 @@ from .ports import DeadLetterCopy, DeliveryHandler
 
 class NatsTransport(FastStreamTransport):
     label = "NATS"
+    metrics_middleware = NatsPrometheusMiddleware
     broker: NatsBroker
 
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:

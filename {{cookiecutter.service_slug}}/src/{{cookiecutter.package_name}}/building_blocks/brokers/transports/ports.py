@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ...application.handler_types import Consumer
 from ...messaging.envelope import Envelope
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 
 class Delivery(Protocol):
@@ -67,6 +70,10 @@ class BrokerTransport(Protocol):
     broker: Any
 
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None: ...
+
+    def count_in(self, registry: CollectorRegistry) -> None:
+        """Add FastStream's own broker metrics (``faststream_*``: received, processed, published,
+        durations, by destination and status) to ``registry``, before the first subscribe."""
 
     async def connect(self) -> None: ...
 

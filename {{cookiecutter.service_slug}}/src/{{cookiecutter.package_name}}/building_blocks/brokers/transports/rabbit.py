@@ -27,6 +27,7 @@ from aiormq.exceptions import (
 from faststream import AckPolicy
 from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
 from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.prometheus import RabbitPrometheusMiddleware
 from faststream.rabbit.schemas import Channel
 
 from ....settings import MessageBusSettings
@@ -46,6 +47,7 @@ class TopologyMismatchError(RuntimeError):
 
 class RabbitTransport(FastStreamTransport):
     label = "RabbitMQ"
+    metrics_middleware = RabbitPrometheusMiddleware
     broker: RabbitBroker
 
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:

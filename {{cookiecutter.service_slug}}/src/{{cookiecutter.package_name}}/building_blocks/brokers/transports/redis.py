@@ -41,6 +41,7 @@ from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.annotations import RedisStreamMessage
 from faststream.redis.message import bDATA_KEY
+from faststream.redis.prometheus import RedisPrometheusMiddleware
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -62,6 +63,7 @@ FRESH_READ_COUNT = 10  # entries per XREADGROUP, as NATS pulls (see ``subscribe`
 
 class RedisTransport(FastStreamTransport):
     label = "Redis"
+    metrics_middleware = RedisPrometheusMiddleware
     broker: RedisBroker
 
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:

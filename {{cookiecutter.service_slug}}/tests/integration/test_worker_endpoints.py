@@ -1,0 +1,202 @@
+"""The worker can be watched: with a port it serves /livez, /readyz and /metrics (real processes,
+scraped over HTTP); without one it serves nothing and says so; a taken port is one clear line;
+/livez fails when a processor loop stops turning, and only then."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+)
+
+from ..conftest import ContainerFactory, free_port, live_server, make_settings
+
+pytestmark = pytest.mark.integration
+PROJECT = Path(__file__).resolve().parents[2]
+PACKAGE = "{{ cookiecutter.package_name }}"
+# Loops that sleep at most 0.2 s (idle or not), watched with a half-second timeout.
+QUICK_LIVENESS: dict[str, dict[str, Any]] = {
+    "outbox": {"polling_interval_seconds": 0.2, "idle_polling_interval_seconds": 0.2},
+    "worker": {"liveness_timeout_seconds": 0.5},
+}
+
+
+def service_env(database_url: str, **extra: str) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if "__" not in k}
+    return clean | {"DATABASE__URL": database_url, "LOGGING__LEVEL": "INFO"} | extra
+
+
+@contextmanager
+def worker_process(database_url: str, *arguments: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", PACKAGE, "worker", *arguments],
+        cwd=PROJECT,
+        env=service_env(database_url, **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+def get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (a loopback URL)
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def wait_for(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"the worker exited with {process.returncode}: {process.stderr.read()}")  # type: ignore[union-attr]
+        try:
+            get(url)
+        except OSError:
+            time.sleep(0.1)
+            continue
+        return
+    raise AssertionError(f"{url} did not answer within {timeout} s")
+
+
+def test_a_worker_with_a_port_serves_its_probes_and_its_metrics(sqlite_url: str) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    with worker_process(sqlite_url, "--port", str(port)) as process:
+        wait_for(f"{base}/livez", process)
+        assert get(f"{base}/livez") == (200, '{"status":"ok"}')
+        status, body = get(f"{base}/readyz")
+        assert status == 200, body
+        # The processors' own metrics: the heartbeat moves once a cycle has run.
+        heartbeat = 'outbox_processor_heartbeat_timestamp_seconds{source="outbox"}'
+        deadline = time.monotonic() + 30
+        while heartbeat not in get(f"{base}/metrics")[1]:
+            assert time.monotonic() < deadline, get(f"{base}/metrics")[1]
+            time.sleep(0.2)
+        assert get(f"{base}/orders")[0] == 404  # the worker serves no API
+        assert get(f"{base}/docs")[0] == 404
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        stderr = process.stderr.read()  # type: ignore[union-attr]
+    assert f"worker: /livez, /readyz and /metrics on {base}" in stderr
+
+
+def test_the_worker_port_can_come_from_the_settings(sqlite_url: str) -> None:
+    port = free_port()
+    with worker_process(sqlite_url, WORKER__PORT=str(port)) as process:
+        wait_for(f"http://127.0.0.1:{port}/livez", process)
+        assert get(f"http://127.0.0.1:{port}/livez")[0] == 200
+
+
+def test_a_worker_without_a_port_serves_nothing_and_says_so(sqlite_url: str) -> None:
+    with worker_process(sqlite_url) as process:
+        assert process.stderr is not None
+        first = process.stderr.readline()
+        assert "worker: no HTTP endpoint" in first, first
+        assert "--port" in first
+        assert "WORKER__PORT" in first
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("command", ["worker", "api", "run"])
+def test_a_port_already_taken_is_one_clear_line(sqlite_url: str, command: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", PACKAGE, command, "--port", str(port)],
+            cwd=PROJECT,
+            env=service_env(sqlite_url, ENVIRONMENT="development"),
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()  # no banner first, no traceback after
+    assert line == (
+        f"error: cannot listen on 127.0.0.1:{port}: already in use (pass --port, or stop what listens there)"
+    )
+
+
+async def test_livez_fails_when_a_processor_loop_stops_turning(make_container: ContainerFactory) -> None:
+    """A cycle that hangs (not one that fails: an outage is for /readyz) fails /livez once the
+    liveness timeout passes; /livez recovers when the loop turns again."""
+    container: Container = make_container(**QUICK_LIVENESS)
+    source = container.sources()[0]
+    release = asyncio.Event()
+    original = source.run_cycle
+
+    async def hangs_until_released() -> Any:
+        await release.wait()
+        return await original()
+
+    source.run_cycle = hangs_until_released  # type: ignore[method-assign]
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.get("/livez")).status_code == 200
+        await asyncio.sleep(0.8)
+        stalled = await client.get("/livez")
+        assert stalled.status_code == 503
+        assert stalled.json()["status"] == "stalled"
+        assert stalled.json()["stalled"][0].startswith(f"{source.name}: no turn for")
+        release.set()
+        source.run_cycle = original  # type: ignore[method-assign]
+        await asyncio.sleep(0.3)
+        assert (await client.get("/livez")).status_code == 200
+
+
+async def test_a_failing_cycle_keeps_livez_up(make_container: ContainerFactory) -> None:
+    container: Container = make_container(**QUICK_LIVENESS)
+    for source in container.sources():
+
+        async def database_down() -> Any:
+            msg = "connection refused"
+            raise ConnectionRefusedError(msg)
+
+        source.run_cycle = database_down  # type: ignore[method-assign]
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
+        await asyncio.sleep(1.0)
+        assert (await client.get("/livez")).status_code == 200
+
+
+async def test_the_api_alone_has_no_loop_to_watch(make_container: ContainerFactory) -> None:
+    container: Container = make_container(**QUICK_LIVENESS)
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        await asyncio.sleep(0.8)
+        assert (await client.get("/livez")).json() == {"status": "ok"}
+
+
+def test_a_liveness_timeout_shorter_than_an_idle_sleep_is_refused(sqlite_url: str) -> None:
+    with pytest.raises(ValueError, match="WORKER__LIVENESS_TIMEOUT_SECONDS \\(5\\) must be longer"):
+        make_settings(sqlite_url, worker={"liveness_timeout_seconds": 5})
