@@ -173,7 +173,18 @@ def check_text(label: str, value: object, *, required: bool) -> str | None:
         return f"{label} is longer than {MAX_TEXT_LENGTH} characters"
     if any(0xD800 <= ord(character) <= 0xDFFF for character in value):
         return f"{label} holds an unpaired surrogate; it is not valid text"
+    if holds_template_syntax(value):
+        return f"{label} {value!r} holds template syntax ({{{{, {{% or {{#}}); remove it"
     return None
+
+
+TEMPLATE_MARKERS = ("{{", "{%", "{#")
+
+
+def holds_template_syntax(text: str) -> bool:
+    """Cookiecutter renders a ``--no-input`` or ``--replay`` answer as a Jinja template: ``{{ 7*7 }}``
+    would become ``49`` and an unbalanced ``{% raw %}`` a traceback. No answer needs the syntax."""
+    return any(marker in text for marker in TEMPLATE_MARKERS)
 
 
 def check_choice(label: str, value: object, choices: tuple[str, ...]) -> str | None:
@@ -265,3 +276,17 @@ class AnswerValidation(Extension):  # type: ignore[misc]
         # The pre-generation hook runs as a script in the new project's folder; it loads these
         # same rules from this absolute path (the template's own path may be relative).
         environment.globals["answer_rules_path"] = str(Path(__file__).resolve())
+
+    def preprocess(self, source: str, name: str | None, filename: str | None = None) -> str:
+        """Refuse an answer that holds template syntax before cookiecutter evaluates it.
+
+        Cookiecutter renders every variable's value with ``from_string`` (no template name), an
+        answer given on the command line included. The template's own strings rendered that
+        way (the derived defaults, the folder names, the hooks) all name ``cookiecutter``; an
+        answer with the syntax and no such reference is stopped here with one line, where it
+        would otherwise be evaluated or end in a traceback.
+        """
+        del filename
+        if name is None and holds_template_syntax(source) and "cookiecutter" not in source:
+            report([f"the answer {source!r} holds template syntax ({{{{, {{% or {{#}}); remove it"])
+        return source

@@ -58,6 +58,26 @@ def test_bad_answer_is_one_clear_line_and_creates_nothing(tmp_path: Path, answer
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "service_name={{ 7*7 }}",
+        "description={% raw %}",
+        "author=O'Brien {# a comment #}",
+        "service_name=Billing {% if true %}",
+    ],
+)
+def test_an_answer_with_template_syntax_is_one_line_not_evaluated(tmp_path: Path, answer: str) -> None:
+    """Cookiecutter renders command-line answers as templates: ``{{ 7*7 }}`` would become 49 and
+    an unbalanced ``{% raw %}`` a traceback. Both are one line, and nothing is generated."""
+    result = bake_cli(tmp_path, answer)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"ERROR: the answer {answer.split('=', 1)[1]!r} holds template syntax ({{{{, {{% or {{#}}); remove it"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_pre_gen_hook_rejects_replayed_answers(tmp_path: Path) -> None:
     """``--replay`` skips the prompts; the pre-generation hook still refuses a bad answer."""
     replay = tmp_path / "replay.json"

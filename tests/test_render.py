@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import compileall
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import yaml
 
 from .conftest import VARIANTS
-from .support import check, load_answer_rules, text_files
+from .support import TEMPLATE, check, load_answer_rules, text_files
 
 pytestmark = pytest.mark.render
 LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
@@ -125,11 +126,58 @@ def test_broker_answer_sets_defaults_not_code(bakes: dict[str, Path], broker: st
             assert path.read_text() == (project / path.relative_to(default)).read_text(), path
 
 
-def test_the_service_ships_the_architecture_page_of_the_template(bakes: dict[str, Path]) -> None:
-    """One page, two homes: the template's docs/architecture.md is what every service ships."""
-    template_page = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
-    for project in bakes.values():
-        assert (project / "docs" / "architecture.md").read_text() == template_page
+SERVICE_DOCS = (
+    "architecture",
+    "semantics",
+    "operations",
+    "extending",
+    "upgrading",
+    "performance",
+    "reliability",
+)
+MARKDOWN_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_service_ships_its_docs_and_every_link_in_them_resolves(
+    bakes: dict[str, Path], variant: str
+) -> None:
+    project = bakes[variant]
+    pages = [project / "README.md", *(project / "docs" / f"{name}.md" for name in SERVICE_DOCS)]
+    broken = [
+        f"{page.relative_to(project)} -> {target}"
+        for page in pages
+        for target in MARKDOWN_LINK.findall(page.read_text())
+        if "://" not in target and not (page.parent / target).exists()
+    ]
+    assert broken == []
+    readme = (project / "README.md").read_text()
+    assert all(f"(docs/{name}.md)" in readme for name in SERVICE_DOCS)
+
+
+def test_the_template_docs_link_to_pages_that_exist() -> None:
+    pages = [TEMPLATE / "README.md", TEMPLATE / "CHANGELOG.md", *(TEMPLATE / "docs").glob("*.md")]
+    broken = [
+        f"{page.relative_to(TEMPLATE)} -> {target}"
+        for page in pages
+        for target in MARKDOWN_LINK.findall(page.read_text())
+        if "://" not in target and not (page.parent / target.replace("%7B", "{").replace("%7D", "}")).exists()
+    ]
+    assert broken == []
+
+
+def test_a_service_without_the_example_is_not_told_about_it(bakes: dict[str, Path]) -> None:
+    """No /orders call, and no pointer at the example's files as if the service had them."""
+    project = bakes["no-example"]
+    readme = (project / "README.md").read_text()
+    docs = {page.name: page.read_text() for page in (project / "docs").glob("*.md")}
+    assert "/orders" not in readme
+    assert [name for name, text in docs.items() if "curl" in text and "/orders" in text] == []
+    assert "copy the files of `contexts/orders/`" not in docs["extending.md"]
+    assert "generated without the example contexts" in docs["extending.md"]
+    assert re.search(r"^ +orders/ ", docs["architecture.md"], re.MULTILINE) is None
+    default_layout = (bakes["default"] / "docs" / "architecture.md").read_text()
+    assert re.search(r"^ +orders/ ", default_layout, re.MULTILINE) is not None
 
 
 def test_example_off_removes_the_example(bakes: dict[str, Path]) -> None:
@@ -168,3 +216,32 @@ def test_the_package_name_rules_know_every_installed_module(shared_python: Path)
         name for name in installed if rules.check_identifier("p", name, allow_hyphen=False) is None
     )
     assert missing == [], f"add these to DEPENDENCY_NAMES in hooks/validation.py: {missing}"
+
+
+def test_the_options_page_shows_the_recorded_answers_as_a_bake_writes_them(bakes: dict[str, Path]) -> None:
+    page = (TEMPLATE / "docs" / "options.md").read_text()
+    block = re.search(r"## Recorded answers.*?```json\n(.*?)```", page, re.DOTALL)
+    assert block is not None
+    assert json.loads(block.group(1)) == json.loads((bakes["default"] / ".cookiecutter.json").read_text())
+
+
+def test_the_options_page_lists_every_path_include_example_false_removes(bakes: dict[str, Path]) -> None:
+    """What the page names is exactly what a bare bake lacks beside a default one."""
+    page = (TEMPLATE / "docs" / "options.md").read_text()
+    section = page.split("## What `include_example=false` removes", 1)[1].split("\nWhat stays", 1)[0]
+    named = re.findall(r"^\| `([^`]+)`", section, re.MULTILINE)
+    bare, default = bakes["no-example"], bakes["default"]
+    covered: set[Path] = set()
+    for pattern in named:
+        matches = list(default.glob(pattern.replace("<package>", "order_service").rstrip("/")))
+        assert matches, f"the page names {pattern}, which a default bake does not have"
+        covered |= {m.relative_to(default) for m in matches}
+    generated = [  # other tests install and lint these bakes: leave their caches out
+        path.relative_to(default)
+        for folder in ("src", "migrations", "tests")
+        for path in (default / folder).rglob("*")
+        if "__pycache__" not in path.parts
+    ]
+    missing = {path for path in generated if not (bare / path).exists()}
+    topmost = {path for path in missing if not any(parent in missing for parent in path.parents)}
+    assert topmost == covered, (topmost - covered, covered - topmost)

@@ -12,7 +12,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-import {{ cookiecutter.package_name }}.building_blocks.persistence.tables  # noqa: F401 (registers tables)
+# Every table the framework owns: a module left out here is a table autogenerate would drop.
+import {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables
+import {{ cookiecutter.package_name }}.building_blocks.persistence.tables  # noqa: F401
 from {{ cookiecutter.package_name }}.composition.modules import build_modules
 from {{ cookiecutter.package_name }}.settings import (
     Settings,

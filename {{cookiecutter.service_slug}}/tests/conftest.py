@@ -86,15 +86,39 @@ def service_reachable(name: str) -> bool:
     return _reachable[name]
 
 
+# How to start each one on a laptop with Docker (CI has them running).
+START_COMMANDS = {
+    "postgres": "docker run -d -p 5432:5432 -e POSTGRES_HOST_AUTH_METHOD=trust postgres:16",
+    "rabbitmq": "docker run -d -p 5672:5672 rabbitmq:3.13",
+    "kafka": "docker run -d -p 9092:9092 apache/kafka:3.8.0",
+    "nats": "docker run -d -p 4222:4222 nats:2.10 -js",
+    "redis": "docker run -d -p 6379:6379 redis:7",
+}
+UNREACHABLE = " is not reachable at "
+
+
 def require_service(name: str) -> None:
     """Skip the test (with the reason) when ``name`` does not answer; fail under
     ``REQUIRE_SERVICES=1``, where a missing service is a broken machine, not a laptop."""
     if service_reachable(name):
         return
-    message = f"{name} is not reachable at {SERVICE_URLS[name]}"
+    message = f"{name}{UNREACHABLE}{SERVICE_URLS[name]}"
     if REQUIRE_SERVICES:
         pytest.fail(f"{message} and REQUIRE_SERVICES=1")
-    pytest.skip(f"{message} (start it, or set TEST_{name.upper()}_URL)")
+    pytest.skip(f"{message}: start it ({START_COMMANDS[name]}) or set TEST_{name.upper()}_URL")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+    """Every skip for one missing service gets the same location, so the summary folds them into
+    one line per service ("SKIPPED [43] tests/conftest.py: rabbitmq is not reachable at ...")
+    instead of a line per test."""
+    del item, call
+    report: pytest.TestReport = yield
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple) and UNREACHABLE in str(longrepr[2]):
+        report.longrepr = (__file__, require_service.__code__.co_firstlineno, longrepr[2])
+    return report
 
 
 @pytest.fixture(autouse=True)

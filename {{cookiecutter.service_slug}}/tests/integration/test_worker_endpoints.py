@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,9 +24,10 @@ import pytest
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
+    build_container,
 )
 
-from ..conftest import ContainerFactory, free_port, live_server, make_settings
+from ..conftest import SERVICE_URLS, ContainerFactory, free_port, live_server, make_settings
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]
@@ -200,3 +202,33 @@ async def test_the_api_alone_has_no_loop_to_watch(make_container: ContainerFacto
 def test_a_liveness_timeout_shorter_than_an_idle_sleep_is_refused(sqlite_url: str) -> None:
     with pytest.raises(ValueError, match="WORKER__LIVENESS_TIMEOUT_SECONDS \\(5\\) must be longer"):
         make_settings(sqlite_url, worker={"liveness_timeout_seconds": 5})
+
+
+@pytest.mark.rabbitmq
+def test_a_worker_log_written_to_a_file_is_plain_text(sqlite_url: str, tmp_path: Path) -> None:
+    """FastStream's own records (a subscriber starting) come through the service's format, with
+    no ANSI colour codes in a file (its default logger paints them even there)."""
+    log_file = tmp_path / "worker.log"
+    env = service_env(
+        sqlite_url,
+        MESSAGE_BUS__TRANSPORT="rabbitmq",
+        MESSAGE_BUS__URL=SERVICE_URLS["rabbitmq"],
+        APPLICATION__NAMESPACE="plain-log-test",
+    )
+    with log_file.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", PACKAGE, "worker"], cwd=PROJECT, env=env, stderr=sink, text=True
+        )
+        deadline = time.monotonic() + 60
+        while "worker started" not in log_file.read_text():
+            assert process.poll() is None, log_file.read_text()
+            assert time.monotonic() < deadline, log_file.read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    text = log_file.read_text()
+    assert "\x1b" not in text
+    container = build_container(make_settings(sqlite_url))
+    if container.handlers().consumers:  # the example's consumers; a bare service has none
+        record = r"^\d{4}-\d\d-\d\d [\d:,]+ INFO +\S+\.faststream \[.*waiting for messages"
+        assert re.search(record, text, re.MULTILINE), text

@@ -23,14 +23,14 @@ async def run_worker(container: Container) -> None:
     """The worker alone, with no HTTP endpoint."""
     from ..container import startup_diagnostics  # noqa: PLC0415
 
-    log.info(
-        "worker: no HTTP endpoint (give it a port with --port or WORKER__PORT to serve "
-        "/livez, /readyz and /metrics)"
-    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop asked for while starting is kept
         loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "worker: no HTTP endpoint (give it a port with --port or WORKER__PORT to serve "
+        "/livez, /readyz and /metrics)"
+    )
     startup_diagnostics(container)
     bus = container.bus()
     await bus.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from ..about import SERVICE_SLUG
 
@@ -67,6 +67,12 @@ class WorkerSettings(BaseModel):
         gt=0,
         description="A processor loop silent this long fails /livez; unset = lease + 3 idle intervals",
     )
+
+    @field_validator("port", "liveness_timeout_seconds", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """``WORKER__PORT=`` (as ``.env.example`` has it) means no port, not an error."""
+        return None if value == "" else value
 
 
 class LoggingSettings(BaseModel):

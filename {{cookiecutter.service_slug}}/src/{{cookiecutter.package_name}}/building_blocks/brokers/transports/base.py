@@ -28,6 +28,10 @@ if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
+# FastStream's own records (a subscriber waiting, a message that failed) go through the service's
+# handler like every other record: FastStream's default logger paints ANSI colours even into a
+# file, and it would bypass the escaping and credential masking of the service's log format.
+BROKER_LOG = logging.getLogger(f"{__name__.rpartition('.')[0]}.faststream")
 
 
 class PingFailedError(ConnectionError):

@@ -63,7 +63,7 @@ from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import FastStreamTransport
+from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, fallback_parser, undecoded_body
 from .kafka_delivery import NOT_BEFORE, KafkaDelivery, readable_headers, retry_wait
 from .kafka_topics import TOPIC_EXISTS, KafkaAdmin, KafkaTopologyError, aiokafka_admin
@@ -87,7 +87,7 @@ class KafkaTransport(FastStreamTransport):
         self._registry = registry
         self._admin = admin
         self._bootstrap = settings.url or "localhost:9092"
-        self.broker = KafkaBroker(self._bootstrap, acks="all")
+        self.broker = KafkaBroker(self._bootstrap, acks="all", logger=BROKER_LOG)
 
     def topics(self, consumers: Sequence[Consumer[Any]]) -> list[str]:
         """Every topic this service publishes to or reads from (retry and dead-letter included)."""

@@ -31,7 +31,7 @@ from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import FastStreamTransport
+from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, undecoded_body
 from .nats_delivery import ACK_WAIT_SECONDS, NatsDelivery
 from .nats_streams import durable_name, ensure_stream, refresh_consumer
@@ -46,7 +46,7 @@ class NatsTransport(FastStreamTransport):
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         self._settings = settings
         self._names = names
-        self.broker = NatsBroker(settings.url or "nats://localhost:4222")
+        self.broker = NatsBroker(settings.url or "nats://localhost:4222", logger=BROKER_LOG)
         self._events = names.stream("events")
         self._dead_letters = names.stream("dead_letters")
         self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})

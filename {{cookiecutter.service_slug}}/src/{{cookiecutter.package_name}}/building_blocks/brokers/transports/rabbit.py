@@ -35,7 +35,7 @@ from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import FastStreamTransport
+from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, undecoded_body
 from .ports import DeadLetterCopy, DeliveryHandler
 from .rabbit_delivery import RabbitDelivery
@@ -54,7 +54,9 @@ class RabbitTransport(FastStreamTransport):
         self._settings = settings
         self._names = names
         self._registry = registry
-        self.broker = RabbitBroker(settings.url, default_channel=Channel(on_return_raises=True))
+        self.broker = RabbitBroker(
+            settings.url, default_channel=Channel(on_return_raises=True), logger=BROKER_LOG
+        )
         self._exchange = RabbitExchange(names.exchange(), type=ExchangeType.TOPIC, durable=True)
 
     def _queues(self, consumer: Consumer[Any]) -> tuple[RabbitQueue, RabbitQueue, RabbitQueue]:

@@ -51,7 +51,7 @@ from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
-from .base import FastStreamTransport
+from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, fallback_parser, undecoded_body
 from .ports import DeadLetterCopy, DeliveryHandler
 from .redis_delivery import RedisDelivery, as_entry_id
@@ -71,7 +71,9 @@ class RedisTransport(FastStreamTransport):
         self._settings = settings
         self._names = names
         self.broker = RedisBroker(
-            settings.url or "redis://localhost:6379", message_format=Utf8BinaryMessageFormat
+            settings.url or "redis://localhost:6379",
+            message_format=Utf8BinaryMessageFormat,
+            logger=BROKER_LOG,
         )
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
         self._in_flight: set[tuple[str, str, str]] = set()
