@@ -15,7 +15,8 @@ from .conftest import VARIANTS
 from .support import TEMPLATE, check, load_answer_rules, text_files
 
 pytestmark = pytest.mark.render
-LEFTOVER = re.compile(r"(?<!\$)\{\{|\{%|\{#")
+# Not Jinja: GitHub Actions' ``${{ ... }}`` and Prometheus' ``{{ $labels.x }}`` (alert templates).
+LEFTOVER = re.compile(r"(?<!\$)\{\{(?! ?\$)|\{%|\{#")
 EXAMPLE_PATHS = (
     "src/order_service/contexts/orders",
     "src/order_service/contexts/notifications",
@@ -80,6 +81,14 @@ def test_compose_probes_the_worker_on_a_port_of_its_own(bakes: dict[str, Path], 
     assert port != "8000"
     assert worker["ports"] == [f"127.0.0.1:{port}:{port}"]
     assert f"http://localhost:{port}/livez" in " ".join(worker["healthcheck"]["test"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_compose_runs_one_image_for_migrator_api_and_worker(bakes: dict[str, Path], variant: str) -> None:
+    services = yaml.safe_load((bakes[variant] / "docker-compose.yml").read_text())["services"]
+    images = {services[name]["image"] for name in ("migrator", "api", "worker")}
+    assert len(images) == 1
+    assert [name for name in ("migrator", "api", "worker") if "build" in services[name]] == ["migrator"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
