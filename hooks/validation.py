@@ -89,6 +89,7 @@ DEPENDENCY_NAMES = frozenset(
         "pre_commit",
         "pre_commit_hooks",
         "prometheus_client",
+        "prometheus_fastapi_instrumentator",
         "propcache",
         "py",
         "pydantic",

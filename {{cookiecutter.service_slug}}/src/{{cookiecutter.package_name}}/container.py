@@ -32,7 +32,7 @@ from .building_blocks.runtime.worker import Worker
 from .building_blocks.unit_of_work.capture import notify_channel
 from .building_blocks.unit_of_work.factory import UnitOfWorkFactory
 from .composition.diagnostics import warn_about_unsafe_configuration
-from .composition.edges import build_bus, build_signer, build_tokens, build_tracing
+from .composition.edges import build_bus, build_http_metrics, build_signer, build_tokens, build_tracing
 from .composition.modules import build_handlers, build_modules, build_registry
 from .composition.relay import build_dispatcher, build_listener, build_sources, build_writer, retention_policy
 from .settings import Settings
@@ -124,6 +124,7 @@ class Container(containers.DeclarativeContainer):
         notify_channel=providers.Callable(notify_channel, settings.provided.application.resolved_namespace),
     )
     tokens = providers.Singleton(build_tokens, settings)
+    http_metrics = providers.Singleton(build_http_metrics, metrics)
     listener = providers.Singleton(build_listener, settings, wake)
     worker = providers.Singleton(
         Worker,

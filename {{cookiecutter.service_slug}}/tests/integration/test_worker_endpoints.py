@@ -232,3 +232,20 @@ def test_a_worker_log_written_to_a_file_is_plain_text(sqlite_url: str, tmp_path:
     if container.handlers().consumers:  # the example's consumers; a bare service has none
         record = r"^\d{4}-\d\d-\d\d [\d:,]+ INFO +\S+\.faststream \[.*waiting for messages"
         assert re.search(record, text, re.MULTILINE), text
+
+
+async def test_http_metrics_count_requests_per_route(make_container: ContainerFactory) -> None:
+    """Per route, method and status, in the service's registry; probes and the scrape are not
+    counted. Two apps on one container (as tests build them) share the metrics."""
+    container: Container = make_container()
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        for _ in range(2):
+            assert (await client.get("/asyncapi")).status_code == 200
+        await client.get("/livez")
+        exposition = (await client.get("/metrics")).text
+    assert 'http_requests_total{handler="/asyncapi",method="GET",status="200"} 2.0' in exposition
+    assert 'handler="/livez"' not in exposition
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        assert (await client.get("/asyncapi")).status_code == 200
+        exposition = (await client.get("/metrics")).text
+    assert 'http_requests_total{handler="/asyncapi",method="GET",status="200"} 3.0' in exposition

@@ -1,9 +1,12 @@
-"""The service's edges: the message bus and its signer, bearer tokens, tracing."""
+"""The service's edges: the message bus and its signer, bearer tokens, tracing, HTTP metrics."""
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+
+from prometheus_fastapi_instrumentator import Instrumentator
+from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from ..about import SERVICE_SLUG
 from ..building_blocks.application.handlers import HandlerRegistry
@@ -67,3 +70,21 @@ def build_tokens(settings: Settings) -> TokenService:
         ttl=timedelta(minutes=auth.token_ttl_minutes),
         clock=system_clock,
     )
+
+
+# The probes and the scrape would dominate the HTTP figures; they are watched by other means.
+UNMEASURED_ROUTES = ["/metrics", "/livez", "/readyz"]
+
+
+def build_http_metrics(metrics: RelayMetrics) -> Instrumentator:
+    """HTTP metrics per route (``http_requests_total`` by handler, method and status, durations,
+    sizes) from prometheus-fastapi-instrumentator, in the service's registry.
+
+    Its metrics are made here, once per container: an app built twice on one container (tests
+    do) shares them instead of registering them twice."""
+    instrumentator = Instrumentator(
+        registry=metrics.registry,
+        should_group_status_codes=False,  # a 401 and a 409 mean different things
+        excluded_handlers=UNMEASURED_ROUTES,
+    )
+    return instrumentator.add(http_metrics.default(registry=metrics.registry))

@@ -32,6 +32,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.add_middleware(RequestEdgeMiddleware, max_body_bytes=settings.api.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
+    container.http_metrics().instrument(app)
 
     add_probe_routes(app, container, worker=container.worker() if with_worker else None)
     add_asyncapi_route(app, container)
