@@ -143,6 +143,7 @@ SERVICE_DOCS = (
     "upgrading",
     "performance",
     "reliability",
+    "troubleshooting",
 )
 MARKDOWN_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 
