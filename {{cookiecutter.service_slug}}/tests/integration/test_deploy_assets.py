@@ -9,9 +9,8 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import SERVICE_URLS, free_port, fresh_sqlite, make_settings
-from .test_worker_endpoints import PACKAGE, get, service_env, wait_for, worker_process
+from .test_worker_endpoints import get, service_process, wait_for, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]  # FastStream's metrics need a broker
 PROJECT = Path(__file__).resolve().parents[2]
@@ -86,23 +85,8 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, sqlite_template: Path) -> 
         }
 
 
-@contextmanager
-def api_process(database_url: str, port: int, **env: str) -> Iterator[subprocess.Popen[str]]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", PACKAGE, "api", "--port", str(port)],
-        cwd=PROJECT,
-        env=service_env(database_url, **env),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        if process.stderr is not None:
-            process.stderr.close()
+def api_process(database_url: str, port: int, **env: str) -> AbstractContextManager[subprocess.Popen[str]]:
+    return service_process(database_url, "api", "--port", str(port), **env)
 
 
 def test_every_deploy_file_parses_and_kustomize_lists_every_manifest() -> None:

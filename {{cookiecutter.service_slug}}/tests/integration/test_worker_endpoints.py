@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +44,18 @@ def service_env(database_url: str, **extra: str) -> dict[str, str]:
     return clean | {"DATABASE__URL": database_url, "LOGGING__LEVEL": "INFO"} | extra
 
 
+def worker_process(
+    database_url: str, *arguments: str, **env: str
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    return service_process(database_url, "worker", *arguments, **env)
+
+
 @contextmanager
-def worker_process(database_url: str, *arguments: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+def service_process(database_url: str, *arguments: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """``python -m <package> <arguments>`` as a real process (stderr readable), stopped with SIGTERM
+    on exit (killed if it does not stop within 30 s)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", PACKAGE, "worker", *arguments],
+        [sys.executable, "-m", PACKAGE, *arguments],
         cwd=PROJECT,
         env=service_env(database_url, **env),
         stdout=subprocess.DEVNULL,
