@@ -36,12 +36,15 @@ from .kernel.request_context import RequestContext, current_context
 from .persistence.tables import JSON_TYPE
 from .unit_of_work.repository import Repository
 from .web.dependencies import authenticated, require_role, units_of_work
+from .web.errors import STORABLE_TEXT, ErrorOut, error_responses
 
 __all__ = [
     "JSON_TYPE",
+    "STORABLE_TEXT",
     "Adapter",
     "AdapterScope",
     "Delivery",
+    "ErrorOut",
     "Handler",
     "HandlerRegistry",
     "IntegrationEvent",
@@ -56,6 +59,7 @@ __all__ = [
     "authenticated",
     "current_context",
     "current_delivery",
+    "error_responses",
     "require_role",
     "units_of_work",
 ]

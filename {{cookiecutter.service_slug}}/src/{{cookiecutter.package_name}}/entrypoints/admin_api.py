@@ -5,21 +5,24 @@ tenant's row answers 404 exactly like a row that does not exist; the operator ro
 (``AUTH__OPERATOR_ROLE``, ``outbox-operator``) sees and replays every tenant's rows, rows without
 a tenant included. A replay is recorded with the caller's identity (the token's subject), never a
 name the request body could choose. An unknown id is 404, any other request an operator can fix
-is 400.
+is 400. A source or id that is not one by its shape (not a known table, not a UUID) is refused
+by the schema itself (422), as the OpenAPI document says.
 """
 
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..building_blocks.kernel.request_context import RequestContext
 from ..building_blocks.operations.admin import RelayAdministration
 from ..building_blocks.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
 from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
 from ..building_blocks.web.dependencies import require_role
+from ..building_blocks.web.errors import error_responses
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,15 @@ class Administrator:
     scope: TenantScope
 
 
+# The polled tables an operator names; in a query, leaving it out means both.
+Source = Literal["outbox", "internal_commands"]
+
+
 class ReplayIn(BaseModel):
-    source: str = "outbox"
-    ids: list[str] = Field(min_length=1, max_length=1000)
+    model_config = ConfigDict(extra="forbid")  # a field it does not know (a typo, an actor) is 422
+
+    source: Source = "outbox"
+    ids: list[uuid.UUID] = Field(min_length=1, max_length=1000)
 
 
 def administration(request: Request) -> RelayAdministration:
@@ -63,7 +72,7 @@ def administrator_of(admin_role: str, operator_role: str) -> Callable[[Request],
 
 
 def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
-    router = APIRouter(prefix="/admin/outbox", tags=["admin"])
+    router = APIRouter(prefix="/admin/outbox", tags=["admin"], responses=error_responses(400, 401, 403))
     admin = Annotated[Administrator, Depends(administrator_of(admin_role, operator_role))]
     _add_dead_letter_routes(router, admin)
     _add_row_routes(router, admin)
@@ -75,7 +84,7 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N80
     async def list_dead_letters(
         admin: Admin,
         service: Service,
-        source: str | None = None,
+        source: Source | None = None,
         offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
     ) -> list[dict[str, Any]]:
@@ -85,11 +94,12 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N80
         except AdminError as error:
             raise fail(error) from error
 
-    @router.post("/dead-letters/replay")
+    @router.post("/dead-letters/replay", responses=error_responses(404))
     async def replay(body: ReplayIn, admin: Admin, service: Service) -> dict[str, Any]:
         try:
             actor = admin.context.user_id or "unknown"
-            result = await service.replay(body.source, body.ids, actor=actor, scope=admin.scope)
+            ids = [str(row_id) for row_id in body.ids]
+            result = await service.replay(body.source, ids, actor=actor, scope=admin.scope)
         except AdminError as error:
             raise fail(error) from error
         return asdict(result)
@@ -97,15 +107,15 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N80
 
 def _add_row_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N803, ANN401 (an Annotated alias)
     @router.get("/pending")
-    async def pending(admin: Admin, service: Service, source: str | None = None) -> list[dict[str, Any]]:
+    async def pending(admin: Admin, service: Service, source: Source | None = None) -> list[dict[str, Any]]:
         try:
             return [asdict(c) for c in await service.count_pending(source, scope=admin.scope)]
         except AdminError as error:
             raise fail(error) from error
 
-    @router.get("/{source}/{row_id}/explain")
-    async def explain(source: str, row_id: str, admin: Admin, service: Service) -> dict[str, Any]:
+    @router.get("/{source}/{row_id}/explain", responses=error_responses(404))
+    async def explain(source: Source, row_id: uuid.UUID, admin: Admin, service: Service) -> dict[str, Any]:
         try:
-            return asdict(await service.explain(source, row_id, scope=admin.scope))
+            return asdict(await service.explain(source, str(row_id), scope=admin.scope))
         except AdminError as error:
             raise fail(error) from error

@@ -10,7 +10,7 @@ from fastapi import FastAPI
 
 from ..about import DESCRIPTION, SERVICE_NAME
 from ..building_blocks.web.edge import RequestEdgeMiddleware
-from ..building_blocks.web.errors import install_error_handlers
+from ..building_blocks.web.errors import error_responses, install_error_handlers
 from ..building_blocks.web.http import RequestContextMiddleware
 from ..container import Container
 from .admin_api import build_admin_router
@@ -23,7 +23,12 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     settings = container.settings()
 
     app = FastAPI(
-        title=SERVICE_NAME, description=DESCRIPTION, lifespan=lifespan(container, with_worker=with_worker)
+        title=SERVICE_NAME,
+        description=DESCRIPTION,
+        lifespan=lifespan(container, with_worker=with_worker),
+        # What the edge answers for any operation: a refused header, an oversized body, text
+        # no database stores (see building_blocks/web).
+        responses=error_responses(400, 413, 422),
     )
     app.state.container = container
     app.state.units_of_work = container.units_of_work()

@@ -11,7 +11,7 @@ only proves the event loop answers.
 from typing import Any
 
 from fastapi import FastAPI, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..building_blocks.brokers.asyncapi import asyncapi_document
@@ -19,18 +19,25 @@ from ..building_blocks.kernel.redaction import mask_credentials
 from ..building_blocks.runtime.worker import Worker
 from ..container import Container
 
+PROMETHEUS_TEXT: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The metrics in the Prometheus text format",
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
+
 
 def add_probe_routes(app: FastAPI, container: Container, *, worker: Worker | None) -> None:
     """``/livez`` (the worker's loops turn, when this process runs one), ``/readyz``, ``/metrics``."""
 
-    @app.get("/livez", tags=["health"])
+    @app.get("/livez", tags=["health"], responses={503: {"description": "A processor loop is stalled"}})
     async def livez() -> JSONResponse:
         stalled = worker.stalled() if worker is not None else []
         if stalled:
             return JSONResponse({"status": "stalled", "stalled": stalled}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", tags=["health"])
+    @app.get("/readyz", tags=["health"], responses={503: {"description": "The database or broker is down"}})
     async def readyz() -> JSONResponse:
         checks: dict[str, str] = {}
         for name, probe in (("database", container.database().ping), ("bus", container.bus().ping)):
@@ -44,7 +51,7 @@ def add_probe_routes(app: FastAPI, container: Container, *, worker: Worker | Non
             {"status": "ok" if ready else "unavailable", "checks": checks}, status_code=200 if ready else 503
         )
 
-    @app.get("/metrics", tags=["health"])
+    @app.get("/metrics", tags=["health"], response_class=PlainTextResponse, responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         return Response(generate_latest(container.metrics().registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -1,5 +1,9 @@
 """Errors as answers: domain errors become JSON problems with stable codes (404, 409, 422), never
-tracebacks; a validation error echoes at most a short prefix of what it refused."""
+tracebacks; a validation error echoes at most a short prefix of what it refused.
+
+``ErrorOut`` is the body of every error answer and ``error_responses`` documents them in the
+OpenAPI document, so a client generated from it knows every status an operation can return.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,39 @@ from fastapi import FastAPI, Request, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from ..domain.errors import ConcurrencyError, DomainError, NotFoundError
 from ..kernel.text import ECHO_LIMIT, shorten
+
+# A text field's pattern: no NUL (no database stores it alike; the edge refuses it, 422), so the
+# OpenAPI document says what the service accepts.
+STORABLE_TEXT = r"^[^\x00]*$"
+
+
+class ErrorOut(BaseModel):
+    """An error answer: ``detail`` says what was wrong (for a refused field, FastAPI's list of
+    ``{loc, msg, type}``), ``code`` is a domain error's stable code."""
+
+    detail: str | list[dict[str, Any]]
+    code: str | None = None
+
+
+WHY = {
+    400: "A refused X-Correlation-Id or traceparent header, or a request the operator can fix",
+    401: "No valid bearer token",
+    403: "The token lacks the role this operation needs",
+    404: "Not found (another tenant's row answers the same)",
+    409: "Conflict with the current state (a stale version, a transition not allowed)",
+    413: "The body is larger than API__MAX_BODY_BYTES",
+    422: "A field the service refuses (FastAPI's field errors, or text no database stores alike)",
+    503: "Not available: see the body",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with the :class:`ErrorOut` body."""
+    return {status_code: {"model": ErrorOut, "description": WHY[status_code]} for status_code in statuses}
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -6,10 +6,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel
 
-from ...building_blocks.public import RequestContext, UnitOfWorkFactory, authenticated, units_of_work
+from ...building_blocks.public import (
+    STORABLE_TEXT,
+    RequestContext,
+    UnitOfWorkFactory,
+    authenticated,
+    error_responses,
+    units_of_work,
+)
 from .ports import Notifications
 
-router = APIRouter(prefix="/notifications", tags=["notifications"])
+router = APIRouter(prefix="/notifications", tags=["notifications"], responses=error_responses(401))
 
 
 class NotificationOut(BaseModel):
@@ -24,7 +31,7 @@ class NotificationOut(BaseModel):
 
 @router.get("")
 async def list_notifications(
-    order_id: Annotated[str, Query(min_length=1, max_length=64)],
+    order_id: Annotated[str, Query(min_length=1, max_length=64, pattern=STORABLE_TEXT)],
     _caller: Annotated[RequestContext, Depends(authenticated)],
     units: Annotated[UnitOfWorkFactory, Depends(units_of_work)],
 ) -> list[NotificationOut]:

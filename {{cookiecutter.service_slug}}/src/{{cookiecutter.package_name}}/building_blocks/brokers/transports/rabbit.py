@@ -132,7 +132,12 @@ class RabbitTransport(FastStreamTransport):
         return copies
 
     def is_outage(self, error: BaseException) -> bool:
-        return isinstance(error, (AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed))
+        if isinstance(error, (AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed)):
+            return True
+        # When a channel or connection closes without a reason, aiormq fails every pending
+        # confirm with a bare ``Exception()`` (``FutureStore.reject_all(None)``): seen when the line
+        # to the broker is cut mid-publish. Nothing else in a publish raises one.
+        return type(error) is Exception and not error.args
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(
