@@ -22,7 +22,9 @@ from .test_smoke import _free_port
 pytestmark = pytest.mark.smoke
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
 # Fixed seeds: the same examples on every run (a failure is reproducible with the printed seed).
-CALLERS = [("outbox-operator", 1), ("clerk", 2), (None, 3)]
+# (roles, seed, examples): the operator reaches every operation's success paths; the others
+# mostly meet 401 and 403, so fewer examples say as much.
+CALLERS = [("outbox-operator", 1, 25), ("clerk", 2, 10), (None, 3, 10)]
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +58,13 @@ def service(
     process.wait(timeout=30)
 
 
-@pytest.mark.parametrize(("roles", "seed"), CALLERS, ids=["operator", "clerk", "anonymous"])
+@pytest.mark.parametrize("caller", CALLERS, ids=["operator", "clerk", "anonymous"])
 def test_the_openapi_document_says_what_the_api_does(
-    service: str, bakes: dict[str, Path], shared_python: Path, roles: str | None, seed: int
+    service: str, bakes: dict[str, Path], shared_python: Path, caller: tuple[str | None, int, int]
 ) -> None:
+    roles, seed, examples = caller
     command = [str(SCHEMATHESIS), "run", f"{service}/openapi.json", "--checks", "all"]
-    command += ["--max-examples", "25", "--seed", str(seed)]
+    command += ["--max-examples", str(examples), "--seed", str(seed)]
     if roles is not None:
         token = check(
             [
