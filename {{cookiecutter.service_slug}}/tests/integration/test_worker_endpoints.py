@@ -33,9 +33,10 @@ pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]
 PACKAGE = "{{ cookiecutter.package_name }}"
 # Loops that sleep at most 0.2 s (idle or not), watched with a half-second timeout.
+POLL, LIVENESS_TIMEOUT = 0.2, 1.0
 QUICK_LIVENESS: dict[str, dict[str, Any]] = {
-    "outbox": {"polling_interval_seconds": 0.2, "idle_polling_interval_seconds": 0.2},
-    "worker": {"liveness_timeout_seconds": 0.5},
+    "outbox": {"polling_interval_seconds": POLL, "idle_polling_interval_seconds": POLL},
+    "worker": {"liveness_timeout_seconds": LIVENESS_TIMEOUT},
 }
 
 
@@ -160,50 +161,67 @@ def test_a_port_already_taken_is_one_clear_line(sqlite_url: str, command: str) -
     )
 
 
+async def livez_until(client: httpx.AsyncClient, status: int, within: float = 15) -> httpx.Response:
+    """Poll ``/livez`` until it answers ``status``: the liveness timeout is a lower bound, and on a
+    busy machine the loop may turn late, so a test waits for the state, never a fixed time."""
+    deadline = time.monotonic() + within
+    while True:
+        response = await client.get("/livez")
+        if response.status_code == status or time.monotonic() > deadline:
+            return response
+        await asyncio.sleep(0.1)
+
+
 async def test_livez_fails_when_a_processor_loop_stops_turning(make_container: ContainerFactory) -> None:
     """A cycle that hangs (not one that fails: an outage is for /readyz) fails /livez once the
     liveness timeout passes; /livez recovers when the loop turns again."""
     container: Container = make_container(**QUICK_LIVENESS)
     source = container.sources()[0]
-    release = asyncio.Event()
+    hang, release = asyncio.Event(), asyncio.Event()
     original = source.run_cycle
 
-    async def hangs_until_released() -> Any:
-        await release.wait()
+    async def hangs_once_told() -> Any:
+        if hang.is_set():
+            await release.wait()
         return await original()
 
-    source.run_cycle = hangs_until_released  # type: ignore[method-assign]
+    source.run_cycle = hangs_once_told  # type: ignore[method-assign]
     async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
-        assert (await client.get("/livez")).status_code == 200
-        await asyncio.sleep(0.8)
-        stalled = await client.get("/livez")
+        assert (await livez_until(client, 200)).status_code == 200
+        hang.set()
+        stalled = await livez_until(client, 503)
         assert stalled.status_code == 503
         assert stalled.json()["status"] == "stalled"
         assert stalled.json()["stalled"][0].startswith(f"{source.name}: no turn for")
         release.set()
-        source.run_cycle = original  # type: ignore[method-assign]
-        await asyncio.sleep(0.3)
-        assert (await client.get("/livez")).status_code == 200
+        assert (await livez_until(client, 200)).status_code == 200
 
 
 async def test_a_failing_cycle_keeps_livez_up(make_container: ContainerFactory) -> None:
     container: Container = make_container(**QUICK_LIVENESS)
+    failures = 0
     for source in container.sources():
 
         async def database_down() -> Any:
+            nonlocal failures
+            failures += 1
             msg = "connection refused"
             raise ConnectionRefusedError(msg)
 
         source.run_cycle = database_down  # type: ignore[method-assign]
     async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
-        await asyncio.sleep(1.0)
+        # well past the liveness timeout, counted in failed cycles rather than in seconds
+        enough, deadline = 2 * len(container.sources()) * LIVENESS_TIMEOUT / POLL, time.monotonic() + 60
+        while failures < enough and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert failures >= enough
         assert (await client.get("/livez")).status_code == 200
 
 
 async def test_the_api_alone_has_no_loop_to_watch(make_container: ContainerFactory) -> None:
     container: Container = make_container(**QUICK_LIVENESS)
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
-        await asyncio.sleep(0.8)
+        await asyncio.sleep(LIVENESS_TIMEOUT + POLL)
         assert (await client.get("/livez")).json() == {"status": "ok"}
 
 
