@@ -93,7 +93,7 @@ class Container(containers.DeclarativeContainer):
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
         tracing=tracing,
     )
-    bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics)
+    bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics, tracing)
     breaker = providers.Singleton(
         CircuitBreaker,
         failure_threshold=settings.provided.message_bus.circuit_failure_threshold,

@@ -20,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from dependency_injector import providers
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
@@ -42,7 +47,9 @@ from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_de
 )
 from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
 from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
+from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import current_context
+from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import Tracing
 from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
 from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
@@ -113,6 +120,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         failures: int = 0,
         signing: dict[str, str] | None = None,
         database_url: str | None = None,
+        tracing: Tracing | None = None,
     ) -> tuple[Container, Observer]:
         home = tmp_path / f"service-{len(running)}"
         home.mkdir()
@@ -129,6 +137,8 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
             outbox={"polling_interval_seconds": 0.2},
         )
         container = build_container(settings)
+        if tracing is not None:
+            container.tracing.override(providers.Object(tracing))
         await install_kit(container)
         observer = Observer(failures_left=failures)
         container.handlers().consume(CONSUMER, CounterChangedV1, observer)
@@ -185,6 +195,48 @@ async def test_the_senders_context_travels_across_the_broker(start: Start, trans
     await effects_become(container, ["consumed:1"])
     rows = await container.admin().count_pending("outbox")
     assert rows[0].pending == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_one_trace_crosses_the_broker_and_the_signed_traceparent_still_verifies(
+    start: Start, transport: str
+) -> None:
+    """With tracing on, FastStream's telemetry middleware opens its ``process`` span around the
+    consumed message, between the service's delivery span and its consume span: one trace from
+    the writer to the handler. It opens nothing on the publish, which would have replaced the
+    signed ``traceparent``: the message still verifies and is consumed."""
+    exporter = InMemorySpanExporter()
+    tracing = OpenTelemetryTracing(service_name="test", processor=SimpleSpanProcessor(exporter))
+    container, observer = await start(transport, signing={"k1": "secret-one"}, tracing=tracing)
+    await publish_through_outbox(container, 1)
+    await effects_become(container, ["consumed:1"])
+
+    def named(suffix: str) -> list[ReadableSpan]:
+        return [span for span in exporter.get_finished_spans() if span.name.endswith(suffix)]
+
+    await eventually(lambda: len(named(" process")) == 1)  # FastStream ends it after the ack
+    (deliver,), (process,), (consume,) = (
+        named("deliver kit.counter-changed.v1"),
+        named(" process"),
+        named("consume kit.counter-changed.v1"),
+    )
+    assert {f"{span.context.trace_id:032x}" for span in (deliver, process, consume) if span.context} == {
+        "a" * 32
+    }
+    assert deliver.parent is not None
+    assert f"{deliver.parent.span_id:016x}" == "b" * 16  # the writer's span (acting_as)
+    assert deliver.context is not None
+    assert process.parent is not None
+    assert process.parent.span_id == deliver.context.span_id
+    assert process.context is not None
+    assert consume.parent is not None
+    assert consume.parent.span_id == process.context.span_id
+    assert process.kind is SpanKind.CONSUMER
+    assert process.attributes is not None
+    assert process.attributes["messaging.system"] == transport
+    assert named(" publish") == named(" create") == []  # the publish is the delivery span
+    assert observer.seen[0]["traceparent"].startswith(f"00-{'a' * 32}-{consume.context.span_id:016x}-")  # type: ignore[union-attr]
+    tracing.shutdown()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -5,10 +5,13 @@ work, failures marked. Spans go to the SDK's in-memory exporter instead of OTLP.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Annotated
 
 import httpx
 import pytest
+import sqlalchemy as sa
 from dependency_injector import providers
+from fastapi import APIRouter, Depends
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -18,14 +21,23 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTele
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     current_context,
 )
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
+    UnitOfWorkFactory,
+)
 from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
+)
+from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import (
+    units_of_work,
 )
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import ContainerFactory, acting_as, live_server
+from ..conftest import ContainerFactory, acting_as, fetch, live_server
 from ..kit import CounterChangedV1, install_kit
 
 pytestmark = pytest.mark.integration
@@ -58,6 +70,12 @@ def named(exporter: InMemorySpanExporter, name: str) -> ReadableSpan:
 def span_id(span: ReadableSpan) -> str:
     assert span.context is not None
     return f"{span.context.span_id:016x}"
+
+
+def traceparent_of(span: ReadableSpan) -> str:
+    assert span.context is not None
+    context = span.context
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
 async def enqueue_one(container: Container, value: int) -> None:
@@ -126,22 +144,55 @@ async def test_a_failed_delivery_is_a_failed_span(
         assert [event.name for event in span.events] == ["exception"], name
 
 
-async def test_a_request_is_a_server_span_that_continues_the_callers_trace(
+def writing_router() -> APIRouter:
+    """A route that writes an outbox row, as any command endpoint does."""
+    router = APIRouter()
+
+    @router.post("/traced/{value}", status_code=201)
+    async def enqueue(value: int, units: Annotated[UnitOfWorkFactory, Depends(units_of_work)]) -> None:
+        async def operation(uow: SqlUnitOfWork) -> None:
+            uow.enqueue(CounterChangedV1(counter_id="c-1", value=value))
+
+        await units().run(operation)
+
+    return router
+
+
+async def test_a_request_is_a_server_span_whose_context_the_rows_it_writes_carry(
     make_container: ContainerFactory, exporter: InMemorySpanExporter
 ) -> None:
+    """The OpenTelemetry FastAPI instrumentation opens the server span (named after the route,
+    continuing the caller's trace); the outbox row the request writes carries that span, so the
+    delivery that follows is its child. A request without a traceparent starts a trace."""
     container = traced(make_container, exporter)
+    await install_kit(container)
     caller = f"00-{'c' * 32}-{'d' * 16}-01"
-    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
-        continued = await client.get("/livez", headers={"traceparent": caller})
-        fresh = await client.get("/readyz")
-    assert (continued.status_code, fresh.status_code) == (200, 200)
+    async with (
+        live_server(container, with_worker=False, routers=[writing_router()]) as base,
+        httpx.AsyncClient(base_url=base) as client,
+    ):
+        continued = await client.post("/traced/1", headers={"traceparent": caller})
+        fresh = await client.post("/traced/2")
+    assert (continued.status_code, fresh.status_code) == (201, 201)
 
-    first, second = [s for s in exporter.get_finished_spans() if s.name == "HTTP GET"]
-    assert first.kind is SpanKind.SERVER
+    first, second = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.SERVER]
+    assert first.name == second.name == "POST /traced/{value}"
     assert first.context is not None
     assert first.parent is not None
     assert f"{first.context.trace_id:032x}" == "c" * 32
     assert f"{first.parent.span_id:016x}" == "d" * 16
     assert first.attributes is not None
-    assert (first.attributes["url.path"], first.attributes["http.response.status_code"]) == ("/livez", 200)
+    assert first.attributes["http.route"] == "/traced/{value}"
     assert second.parent is None  # no traceparent: a new trace starts here
+    rows = await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
+    assert [row.trace_context for row in rows] == [traceparent_of(first), traceparent_of(second)]
+
+
+async def test_the_probes_and_the_scrape_open_no_span(
+    make_container: ContainerFactory, exporter: InMemorySpanExporter
+) -> None:
+    container = traced(make_container, exporter)
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
+            assert (await client.get(path)).status_code == 200, path
+    assert [s.name for s in exporter.get_finished_spans()] == ["GET /openapi.json"]

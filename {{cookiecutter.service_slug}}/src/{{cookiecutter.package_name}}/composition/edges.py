@@ -38,6 +38,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
     pipeline: ConsumePipeline,
     signer: Signer,
     metrics: RelayMetrics,
+    tracing: Tracing,
 ) -> MessageBus:
     if not settings.message_bus.is_broker:
         return InProcessBus(handlers=handlers, registry=registry, pipeline=pipeline, signer=signer)
@@ -51,6 +52,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
         pipeline=pipeline,
         signer=signer,
         metrics=metrics,
+        tracer_provider=tracing.tracer_provider,
     )
 
 

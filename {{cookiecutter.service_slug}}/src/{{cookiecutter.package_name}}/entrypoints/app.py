@@ -12,6 +12,7 @@ from ..about import DESCRIPTION, SERVICE_NAME
 from ..building_blocks.web.edge import RequestEdgeMiddleware
 from ..building_blocks.web.errors import error_responses, install_error_handlers
 from ..building_blocks.web.http import RequestContextMiddleware
+from ..building_blocks.web.request_tracing import trace_requests
 from ..container import Container
 from .admin_api import build_admin_router
 from .health import add_asyncapi_route, add_probe_routes
@@ -38,6 +39,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
     container.http_metrics().instrument(app)
+    trace_requests(app, container.tracing())  # last: its server span is around everything above
 
     add_probe_routes(app, container, worker=container.worker() if with_worker else None)
     add_asyncapi_route(app, container)

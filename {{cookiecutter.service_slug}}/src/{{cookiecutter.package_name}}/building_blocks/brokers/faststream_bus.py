@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...settings import MessageBusSettings, Transport
 from ..application.handlers import HandlerRegistry
@@ -25,6 +25,9 @@ from ..messaging.signing import Signer
 from .consume import ConsumeWrapper
 from .naming import EndpointNames
 from .transports.ports import BrokerTransport, DeadLetterCopy
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 OUTAGES = (ConnectionError, TimeoutError, OSError)
@@ -67,6 +70,7 @@ class FastStreamBus:
         pipeline: ConsumePipeline,
         signer: Signer,
         metrics: RelayMetrics,
+        tracer_provider: TracerProvider | None = None,
     ) -> None:
         self.name = settings.transport.value
         self._settings = settings
@@ -76,6 +80,8 @@ class FastStreamBus:
         self.names = EndpointNames(namespace, settings.preserve_default_endpoint_names)
         self.transport = build_transport(settings, self.names, registry)
         self.transport.count_in(metrics.registry)
+        if tracer_provider is not None:
+            self.transport.trace_consumes_with(tracer_provider)
         self._consumers = handlers.consumers
         wrapper = ConsumeWrapper(settings=settings, pipeline=pipeline, metrics=metrics)
         for consumer in self._consumers:

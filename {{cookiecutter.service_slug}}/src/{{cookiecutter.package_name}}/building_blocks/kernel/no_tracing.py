@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from .tracing import AttributeValue, Span, SpanKind
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 
 class _PassThroughSpan:
@@ -39,6 +43,13 @@ class NoTracing:
     ) -> Iterator[Span]:
         del name, kind, attributes
         yield _PassThroughSpan(traceparent)
+
+    def active_traceparent(self) -> str | None:
+        return None
+
+    @property
+    def tracer_provider(self) -> TracerProvider | None:
+        return None
 
     def shutdown(self) -> None:
         return None

@@ -1,5 +1,10 @@
 """OpenTelemetry tracing (TELEMETRY__TRACING=otel, extra [otel]): spans exported over OTLP, each
-continuing the traceparent the row or message carries, imported only when chosen."""
+continuing the traceparent the row or message carries, imported only when chosen.
+
+A span opened while an instrumentation's span of the same trace is current (FastStream's
+``process`` span around a consumed message) is its child; otherwise its parent is the
+``traceparent`` it is given: a delivery runs in the processor's task, where the current span
+belongs to nothing it delivers."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from .tracing import AttributeValue, Span, SpanKind
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.trace import TracerProvider
 
 
 class _OpenTelemetrySpan:
@@ -67,7 +73,7 @@ class OpenTelemetryTracing:
     ) -> Iterator[Span]:
         from opentelemetry import trace  # noqa: PLC0415 (optional dependency)
 
-        parent = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        parent = self._parent(traceparent)
         with self._tracer.start_as_current_span(
             name,
             context=parent,
@@ -82,6 +88,30 @@ class OpenTelemetryTracing:
             except BaseException as error:
                 wrapped.record_failure(error)
                 raise
+
+    def _parent(self, traceparent: str | None) -> Any:  # noqa: ANN401 (an OpenTelemetry Context)
+        from opentelemetry import trace  # noqa: PLC0415 (optional dependency)
+
+        extracted = self._propagator.extract({"traceparent": traceparent}) if traceparent else None
+        current = trace.get_current_span().get_span_context()
+        if not current.is_valid:
+            return extracted
+        wanted = trace.get_current_span(extracted).get_span_context() if extracted else None
+        if wanted is None or wanted.trace_id == current.trace_id:
+            return None  # the current context: the instrumentation's span of this same trace
+        return extracted
+
+    def active_traceparent(self) -> str | None:
+        from opentelemetry import trace  # noqa: PLC0415 (optional dependency)
+
+        span = trace.get_current_span()
+        if not span.get_span_context().is_valid:
+            return None
+        return _OpenTelemetrySpan(span, self._propagator).traceparent
+
+    @property
+    def tracer_provider(self) -> TracerProvider | None:
+        return self._provider
 
     def shutdown(self) -> None:
         self._provider.shutdown()

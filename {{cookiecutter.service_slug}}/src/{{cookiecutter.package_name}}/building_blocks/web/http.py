@@ -3,8 +3,12 @@
 :class:`RequestContextMiddleware` reads ``X-Correlation-Id`` (validated, generated when absent,
 echoed on every response) and the bearer token, and sets the ambient request context for the
 request. A bad token does not fail the request by itself; endpoints that need an identity depend
-on :func:`authenticated`, which answers 401 with the reason. Each request runs in a server span
-(a no-op unless tracing is on) whose ``traceparent`` is what the outbox rows it writes carry.
+on :func:`authenticated`, which answers 401 with the reason.
+
+The outbox rows a request writes carry a ``traceparent``: with tracing on, that of the server span
+the OpenTelemetry FastAPI instrumentation opened around the request (see ``request_tracing``);
+with tracing off, the caller's own, so a trace that started upstream runs on through this
+service, or a fresh one, so every row can still be followed in the logs.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ..kernel.context_values import (
 )
 from ..kernel.no_tracing import NoTracing
 from ..kernel.request_context import RequestContext, use_context
-from ..kernel.tracing import Span, SpanKind, Tracing
+from ..kernel.tracing import Tracing
 from .auth import InvalidTokenError, TokenService
 
 log = logging.getLogger(__name__)
@@ -54,12 +58,8 @@ class RequestContextMiddleware:
             response = JSONResponse({"detail": str(error)}, status_code=400, headers=headers_out)
             await response(scope, receive, send)
             return
-        method = str(scope.get("method", "GET"))
-        attributes = {"http.request.method": method, "url.path": str(scope.get("path", ""))}
-        with self.tracing.span(
-            f"HTTP {method}", kind=SpanKind.SERVER, traceparent=incoming, attributes=attributes
-        ) as span:
-            await self._handle(scope, receive, send, headers, correlation_id, span)
+        traceparent = self.tracing.active_traceparent() or incoming or new_traceparent()
+        await self._handle(scope, receive, send, headers, correlation_id, traceparent)
 
     async def _handle(  # noqa: PLR0917 (one request's pieces, handed over once)
         self,
@@ -68,9 +68,8 @@ class RequestContextMiddleware:
         send: Send,
         headers: dict[str, str],
         correlation_id: str,
-        span: Span,
+        traceparent: str,
     ) -> None:
-        traceparent = span.traceparent or new_traceparent()
         context = RequestContext(correlation_id=correlation_id, traceparent=traceparent)
         authorization = headers.get("authorization", "")
         state = scope.setdefault("state", {})
@@ -96,7 +95,6 @@ class RequestContextMiddleware:
         async def send_with_correlation(message: Message) -> None:
             if message["type"] == "http.response.start":
                 MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
-                span.set_attribute("http.response.status_code", int(message["status"]))
             await send(message)
 
         with use_context(context):

@@ -22,9 +22,12 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from faststream import BaseMiddleware
+
 from .headers import message_id_of
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
@@ -61,6 +64,23 @@ class ReceivedMessage:
         return None
 
 
+class ConsumingOnly:
+    """A FastStream broker middleware applied to consumed messages only, passed by on publish.
+
+    FastStream's telemetry middleware, on a publish, replaces the message's ``traceparent`` with
+    one of its own spans: the ``traceparent`` is a signed header, so every signed message would
+    then fail verification at its consumer. The service's delivery span already stands for the
+    publish; on the consuming side the middleware only reads the headers."""
+
+    def __init__(self, middleware: Callable[..., Any]) -> None:
+        self._middleware = middleware
+
+    def __call__(self, message: object, /, *, context: Any) -> Any:  # noqa: ANN401 (FastStream's types)
+        if message is None:  # FastStream builds a publish's middlewares without a message
+            return BaseMiddleware(message, context=context)
+        return self._middleware(message, context=context)
+
+
 class FastStreamTransport:
     """The broker lifecycle every transport shares (the broker itself is set by the subclass)."""
 
@@ -71,6 +91,14 @@ class FastStreamTransport:
 
     def count_in(self, registry: CollectorRegistry) -> None:
         self.broker.add_middleware(self.metrics_middleware(registry=registry))
+
+    def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
+        self.broker.add_middleware(ConsumingOnly(self.telemetry_middleware(tracer_provider)))
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+        """FastStream's telemetry middleware for this broker (imported here: OpenTelemetry is the
+        optional ``otel`` extra)."""
+        raise NotImplementedError
 
     async def connect(self) -> None:
         await self.broker.connect()

@@ -42,7 +42,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import NewTopic
@@ -69,6 +69,9 @@ from .kafka_delivery import NOT_BEFORE, KafkaDelivery, readable_headers, retry_w
 from .kafka_topics import TOPIC_EXISTS, KafkaAdmin, KafkaTopologyError, aiokafka_admin
 from .ports import DeadLetterCopy, DeliveryHandler
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
 
 class KafkaTransport(FastStreamTransport):
     label = "Kafka"
@@ -88,6 +91,11 @@ class KafkaTransport(FastStreamTransport):
         self._admin = admin
         self._bootstrap = settings.url or "localhost:9092"
         self.broker = KafkaBroker(self._bootstrap, acks="all", logger=BROKER_LOG)
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+        from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+
+        return KafkaTelemetryMiddleware(tracer_provider=tracer_provider)
 
     def topics(self, consumers: Sequence[Consumer[Any]]) -> list[str]:
         """Every topic this service publishes to or reads from (retry and dead-letter included)."""

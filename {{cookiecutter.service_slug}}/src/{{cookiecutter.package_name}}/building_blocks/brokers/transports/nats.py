@@ -16,7 +16,7 @@ because two services can merge at the same moment.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from faststream import AckPolicy
 from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
@@ -36,6 +36,9 @@ from .headers import as_text, undecoded_body
 from .nats_delivery import ACK_WAIT_SECONDS, NatsDelivery
 from .nats_streams import durable_name, ensure_stream, refresh_consumer
 from .ports import DeadLetterCopy, DeliveryHandler
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 
 class NatsTransport(FastStreamTransport):
@@ -133,3 +136,8 @@ class NatsTransport(FastStreamTransport):
             stream=self._events,
             timeout=self._settings.publish_timeout_seconds,
         )
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+        from faststream.nats.opentelemetry import NatsTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+
+        return NatsTelemetryMiddleware(tracer_provider=tracer_provider)

@@ -11,6 +11,7 @@ from ...application.handler_types import Consumer
 from ...messaging.envelope import Envelope
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
 
@@ -74,6 +75,11 @@ class BrokerTransport(Protocol):
     def count_in(self, registry: CollectorRegistry) -> None:
         """Add FastStream's own broker metrics (``faststream_*``: received, processed, published,
         durations, by destination and status) to ``registry``, before the first subscribe."""
+
+    def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
+        """Open FastStream's ``process`` span (messaging semantic conventions) around every
+        consumed message, child of its ``traceparent``, reported to ``tracer_provider``; publishes
+        are left alone (their ``traceparent`` is signed). Before the first subscribe."""
 
     async def connect(self) -> None: ...
 

@@ -16,7 +16,7 @@ that into one line naming the queue, the setting and the safe way out.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiormq.exceptions import (
     AMQPConnectionError,
@@ -39,6 +39,9 @@ from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, undecoded_body
 from .ports import DeadLetterCopy, DeliveryHandler
 from .rabbit_delivery import RabbitDelivery
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 
 class TopologyMismatchError(RuntimeError):
@@ -151,3 +154,8 @@ class RabbitTransport(FastStreamTransport):
             content_type="application/json",
             timeout=self._settings.publish_timeout_seconds,
         )
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+        from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+
+        return RabbitTelemetryMiddleware(tracer_provider=tracer_provider)

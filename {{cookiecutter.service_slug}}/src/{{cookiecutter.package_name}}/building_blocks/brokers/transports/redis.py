@@ -35,7 +35,7 @@ import os
 import re
 import socket
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from faststream import AckPolicy
 from faststream.redis import RedisBroker, StreamSub
@@ -56,6 +56,9 @@ from .headers import as_text, fallback_parser, undecoded_body
 from .ports import DeadLetterCopy, DeliveryHandler
 from .redis_delivery import RedisDelivery, as_entry_id
 from .redis_format import Utf8BinaryMessageFormat, raw_entry
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
 
 log = logging.getLogger(__name__)
 FRESH_READ_COUNT = 10  # entries per XREADGROUP, as NATS pulls (see ``subscribe``)
@@ -162,3 +165,8 @@ class RedisTransport(FastStreamTransport):
         await self.broker.publish(
             envelope.body, stream=self._names.channel(envelope.event_name), headers=headers
         )
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+        from faststream.redis.opentelemetry import RedisTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+
+        return RedisTelemetryMiddleware(tracer_provider=tracer_provider)
