@@ -1,9 +1,11 @@
 """The rules every cookiecutter answer must satisfy: one module, used twice.
 
-1. As a Jinja extension (``_extensions`` in cookiecutter.json): the private answer
-   ``__answers_valid`` renders through the ``validate_answers`` filter right after the prompts.
-   A bad answer prints one ``ERROR:`` line per problem and exits with status 1 *before*
-   anything is generated (cookiecutter would otherwise print a traceback after a failed hook).
+1. As a Jinja extension (``_extensions`` in cookiecutter.json): at a terminal, each answer is
+   checked as soon as it is given (``refuse_at_once``, called by the next prompt's default); and
+   the private answer ``__answers_valid`` renders through the ``validate_answers`` filter right
+   after the prompts. A bad answer prints one ``ERROR:`` line per problem and exits with status 1
+   *before* anything is generated (cookiecutter would otherwise print a traceback after a failed
+   hook).
 2. From ``pre_gen_project.py``, for paths that skip the prompts (``--replay``).
 
 Standard library only.
@@ -15,7 +17,7 @@ import json
 import keyword
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,7 @@ DEPENDENCY_NAMES = frozenset(
         "annotated_doc",
         "annotated_types",
         "anyio",
+        "asgiref",
         "ast_serialize",
         "async_timeout",
         "asyncpg",
@@ -118,6 +121,7 @@ DEPENDENCY_NAMES = frozenset(
         "uvicorn",
         "virtualenv",
         "wheel",
+        "wrapt",
         "yaml",
         "yarl",
         # folders of the generated project
@@ -194,22 +198,23 @@ def check_choice(label: str, value: object, choices: tuple[str, ...]) -> str | N
     return f"{label} {value!r} is not one of: {', '.join(choices)}"
 
 
+ANSWER_CHECKS: dict[str, Callable[[object], str | None]] = {
+    "service_name": lambda value: check_text("service_name", value, required=True),
+    "description": lambda value: check_text("description", value, required=False),
+    "author": lambda value: check_text("author", value, required=False),
+    "service_slug": lambda value: check_identifier("service_slug", value, allow_hyphen=True),
+    "package_name": lambda value: check_identifier("package_name", value, allow_hyphen=False),
+    "broker": lambda value: check_choice("broker", value, BROKERS),
+    "python_version": lambda value: check_choice("python_version", value, PYTHON_VERSIONS),
+    "include_example": lambda value: (
+        None if isinstance(value, bool) else f"include_example {value!r} must be true or false"
+    ),
+}
+
+
 def validate(answers: Mapping[str, Any]) -> list[str]:
     """One message per invalid answer; empty when every answer is valid."""
-    include_example = answers.get("include_example")
-    problems = [
-        check_text("service_name", answers.get("service_name"), required=True),
-        check_text("description", answers.get("description"), required=False),
-        check_text("author", answers.get("author"), required=False),
-        check_identifier("service_slug", answers.get("service_slug"), allow_hyphen=True),
-        check_identifier("package_name", answers.get("package_name"), allow_hyphen=False),
-        check_choice("broker", answers.get("broker"), BROKERS),
-        check_choice("python_version", answers.get("python_version"), PYTHON_VERSIONS),
-        None
-        if isinstance(include_example, bool)
-        else f"include_example {include_example!r} must be true or false",
-    ]
-    found = [problem for problem in problems if problem]
+    found = [problem for name, check in ANSWER_CHECKS.items() if (problem := check(answers.get(name)))]
     if found and found[0] == "service_name must not be empty":
         # The slug and the package are derived from the name: one line says it all.
         found = [problem for problem in found if not problem.endswith("must not be empty")] + found[:1]
@@ -222,6 +227,25 @@ def report(problems: list[str]) -> None:
     for problem in problems:
         print(f"ERROR: {problem}", file=sys.stderr)
     raise SystemExit(1)
+
+
+def answering_at_a_terminal() -> bool:
+    """A person is answering the prompts (not ``--no-input``, stdin a terminal)."""
+    return sys.stdin.isatty() and "--no-input" not in sys.argv
+
+
+def _refuse_at_once(answers: Mapping[str, Any], name: str) -> str:
+    """Refuse the answer to ``name`` as soon as it is given, when a person is answering.
+
+    Cookiecutter offers no validation hook per prompt, but it renders each prompt's default right
+    after the previous answer, with the answers so far: the defaults in cookiecutter.json begin
+    with this filter on the answer just given, so a bad answer stops the run with its one line
+    before the next question, not after the last. Without a person at the prompts every answer
+    is checked together at the end (``validate_answers``), so one run reports every problem.
+    Renders as nothing."""
+    if answering_at_a_terminal() and (problem := ANSWER_CHECKS[name](answers.get(name))):
+        report([problem])
+    return ""
 
 
 def _validate_answers(answers: Mapping[str, Any]) -> str:
@@ -271,6 +295,7 @@ class AnswerValidation(Extension):  # type: ignore[misc]
     def __init__(self, environment: Any) -> None:
         super().__init__(environment)
         environment.filters["validate_answers"] = _validate_answers
+        environment.filters["refuse_at_once"] = _refuse_at_once
         environment.filters["string_literal"] = string_literal
         environment.filters["one_line"] = one_line
         environment.filters["recorded_answers"] = recorded_answers

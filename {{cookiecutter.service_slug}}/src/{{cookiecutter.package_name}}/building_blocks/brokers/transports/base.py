@@ -95,7 +95,7 @@ class FastStreamTransport:
     def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
         self.broker.add_middleware(ConsumingOnly(self.telemetry_middleware(tracer_provider)))
 
-    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
         """FastStream's telemetry middleware for this broker (imported here: OpenTelemetry is the
         optional ``otel`` extra)."""
         raise NotImplementedError

@@ -92,8 +92,8 @@ class KafkaTransport(FastStreamTransport):
         self._bootstrap = settings.url or "localhost:9092"
         self.broker = KafkaBroker(self._bootstrap, acks="all", logger=BROKER_LOG)
 
-    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
-        from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware  # noqa: PLC0415
 
         return KafkaTelemetryMiddleware(tracer_provider=tracer_provider)
 

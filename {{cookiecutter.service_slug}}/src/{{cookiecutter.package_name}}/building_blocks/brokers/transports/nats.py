@@ -137,7 +137,7 @@ class NatsTransport(FastStreamTransport):
             timeout=self._settings.publish_timeout_seconds,
         )
 
-    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
-        from faststream.nats.opentelemetry import NatsTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.nats.opentelemetry import NatsTelemetryMiddleware  # noqa: PLC0415
 
         return NatsTelemetryMiddleware(tracer_provider=tracer_provider)

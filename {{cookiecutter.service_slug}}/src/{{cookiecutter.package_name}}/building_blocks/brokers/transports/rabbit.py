@@ -155,7 +155,7 @@ class RabbitTransport(FastStreamTransport):
             timeout=self._settings.publish_timeout_seconds,
         )
 
-    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
-        from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware  # noqa: PLC0415
 
         return RabbitTelemetryMiddleware(tracer_provider=tracer_provider)

@@ -166,7 +166,7 @@ class RedisTransport(FastStreamTransport):
             envelope.body, stream=self._names.channel(envelope.event_name), headers=headers
         )
 
-    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401 (optional dependency)
-        from faststream.redis.opentelemetry import RedisTelemetryMiddleware  # noqa: PLC0415 (the otel extra)
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.redis.opentelemetry import RedisTelemetryMiddleware  # noqa: PLC0415
 
         return RedisTelemetryMiddleware(tracer_provider=tracer_provider)
