@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import pty
+import select
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -185,3 +189,56 @@ def test_answers_are_recorded_for_updates(tmp_path: Path) -> None:
     # Where the template came from, and at which commit, is cruft's to record (.cruft.json):
     # here it would change with every template commit and conflict on each update.
     assert not {"_template", "_commit", "_output_dir", "_repo_dir", "_checkout"} & set(recorded)
+
+
+def answer_at_a_terminal(output: Path, answers: list[str], timeout: float = 60) -> tuple[int, str]:
+    """Run cookiecutter in a pseudo-terminal as a person would, giving ``answers`` one per prompt
+    (each sent when its prompt appears); return the exit status and everything the terminal showed."""
+    controller, terminal = pty.openpty()
+    command = [sys.executable, "-m", "cookiecutter", "--output-dir", str(output), str(TEMPLATE)]
+    process = subprocess.Popen(command, stdin=terminal, stdout=terminal, stderr=terminal, close_fds=True)
+    os.close(terminal)
+    shown, pending = b"", list(answers)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([controller], [], [], 0.2)
+        if ready:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # the terminal closed: the process has ended
+                break
+            if not chunk:
+                break
+            shown += chunk
+            if pending and shown.rstrip().endswith(b":"):
+                os.write(controller, pending.pop(0).encode() + b"\n")
+        elif process.poll() is not None:
+            break
+    os.close(controller)
+    return process.wait(timeout=timeout), shown.decode(errors="replace")
+
+
+def test_at_a_terminal_a_bad_answer_is_refused_before_the_next_prompt(tmp_path: Path) -> None:
+    status, shown = answer_at_a_terminal(tmp_path, ["Orders", "Bad Slug", "orders", "orders"])
+    assert status == 1, shown
+    assert "ERROR: service_slug 'Bad Slug' must be lowercase letters" in shown, shown
+    assert "Python package name" not in shown  # the next question was never asked
+    assert "Traceback" not in shown
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_at_a_terminal_good_answers_generate_the_service(tmp_path: Path) -> None:
+    """The checks render as nothing: the defaults a person accepts are the usual ones."""
+    status, shown = answer_at_a_terminal(tmp_path, ["Billing", "", "", "", "", "nats", "", ""])
+    assert status == 0, shown
+    recorded = json.loads((tmp_path / "billing" / ".cookiecutter.json").read_text())["cookiecutter"]
+    assert (recorded["package_name"], recorded["description"], recorded["author"]) == (
+        "billing",
+        "A microservice with a transactional outbox and inbox.",
+        "Your Name",
+    )
+    assert (recorded["broker"], recorded["python_version"], recorded["include_example"]) == (
+        "nats",
+        "3.11",
+        True,
+    )
