@@ -4,9 +4,8 @@ own test suite passes (default broker and Kafka); its migrations are consistent.
 The broker answer changes no Python file but ``about.py`` (the render tier proves it), so running
 the whole suite in both bakes would test the same code twice (six minutes of CI). The default
 bake runs every tier but the slow and Kafka ones; the ``broker=kafka`` bake runs its fast Kafka
-tier (marker ``kafka``, against ``TEST_KAFKA_URL``) and its unit tier, which proves it installs
-and imports as generated; the slow tier of the default bake runs the Kafka reliability scenarios
-too."""
+tier (marker ``kafka``, against ``TEST_KAFKA_URL``), which also proves it installs and imports as
+generated; the slow tier of the default bake runs the Kafka reliability scenarios too."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def _service_env() -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("answers", "tiers"),
-    [({}, "not slow and not kafka"), ({"broker": "kafka"}, "(kafka and not slow) or unit")],
+    [({}, "not slow and not kafka"), ({"broker": "kafka"}, "kafka and not slow")],
     ids=["rabbitmq-default", "kafka"],
 )
 def test_generated_test_suite_passes(tmp_path: Path, answers: dict[str, str], tiers: str) -> None:
@@ -65,14 +64,12 @@ def test_generated_slow_tiers_pass_and_catch_the_known_bugs(tmp_path: Path) -> N
 
 
 def test_service_without_example_passes_its_suite(tmp_path: Path) -> None:
-    """Without the example context: its own suite, but for the broker-backed tests, which use
-    the test kit and not the example (the default bake runs them on the same code)."""
+    """Without the example context: its own suite on SQLite, and its migrations on PostgreSQL too
+    (their chain is what differs). The broker- and PostgreSQL-backed tests use the test kit, not
+    the example: the default bake runs them on the same code."""
     project = bake(tmp_path, include_example=False)
     python = install(project)
-    tiers = "not slow and not kafka and not rabbitmq and not nats and not redis"
-    check(
-        [str(python), "-m", "pytest", "-m", tiers, "-q", "-p", "no:cacheprovider"],
-        project,
-        env=_service_env(),
-        timeout=1500,
-    )
+    tiers = "not slow and not kafka and not rabbitmq and not nats and not redis and not postgres"
+    pytest_run = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    check([*pytest_run, "-m", tiers], project, env=_service_env(), timeout=1500)
+    check([*pytest_run, "tests/integration/test_migrations.py"], project, env=_service_env(), timeout=600)

@@ -69,14 +69,26 @@ def module() -> Module:
 '''
 
 
-CREATE_DATABASE = """
+ON_THE_SERVER = """
 import asyncio, asyncpg
 async def main():
     connection = await asyncpg.connect("postgresql://postgres@127.0.0.1:5432/postgres")
-    await connection.execute("CREATE DATABASE {database}")
+    await connection.execute({statement!r})
     await connection.close()
 asyncio.run(main())
 """
+
+
+@contextmanager
+def scratch_database(python: Path, project: Path) -> Iterator[str]:
+    """A fresh PostgreSQL database (its URL), dropped afterwards."""
+    name = f"journey_{uuid.uuid4().hex[:12]}"
+    check([str(python), "-c", ON_THE_SERVER.format(statement=f"CREATE DATABASE {name}")], project)
+    try:
+        yield f"postgresql+asyncpg://postgres@127.0.0.1:5432/{name}"
+    finally:
+        drop = f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+        check([str(python), "-c", ON_THE_SERVER.format(statement=drop)], project)
 
 
 def answers(host: str, port: int) -> bool:
@@ -217,22 +229,29 @@ def test_the_quick_start_works_as_the_banner_and_the_readme_say(tmp_path: Path) 
     assert started.returncode is not None
 
 
-def test_a_new_user_runs_api_and_worker_on_postgresql_and_nats_and_replays_a_dead_letter(
-    tmp_path: Path,
-) -> None:
+@pytest.fixture
+def nats_service(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
+    """A ``broker=nats`` bake with the test-only context, installed: (project, python, the URL of
+    a fresh PostgreSQL database)."""
     require(PostgreSQL=POSTGRES, NATS=NATS)
-    project = bake(tmp_path, broker="nats")
+    project = bake(tmp_path / "bake", broker="nats")
     probe = project / "src" / "order_service" / "contexts" / "journey_probe"
     probe.mkdir()
     (probe / "__init__.py").write_text("")
     (probe / "module.py").write_text(PROBE_MODULE)
     python = install(project)
+    with scratch_database(python, project) as database:
+        yield project, python, database
+
+
+def test_a_new_user_runs_api_and_worker_on_postgresql_and_nats_and_replays_a_dead_letter(
+    tmp_path: Path, nats_service: tuple[Path, Path, str]
+) -> None:
+    project, python, database = nats_service
     service = [str(python), "-m", "order_service"]
-    database = f"journey_{uuid.uuid4().hex[:12]}"
-    check([str(python), "-c", CREATE_DATABASE.format(database=database)], project)
     flag = tmp_path / "fail-flag"
     env = {
-        "DATABASE__URL": f"postgresql+asyncpg://postgres@127.0.0.1:5432/{database}",
+        "DATABASE__URL": database,
         "MESSAGE_BUS__TRANSPORT": "nats",
         "APPLICATION__NAMESPACE": f"journey{uuid.uuid4().hex[:8]}",
         "OUTBOX__MAX_RETRIES": "2",  # a dead letter in seconds, not minutes

@@ -56,7 +56,7 @@ class OpenTelemetryTracing:
             msg = "TELEMETRY__TRACING=otel needs the otel extra: pip install '.[otel]'"
             raise RuntimeError(msg) from missing
         if processor is None:
-            processor = _otlp_processor()
+            processor = otlp_processor()
         self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer(__name__)
@@ -117,7 +117,9 @@ class OpenTelemetryTracing:
         self._provider.shutdown()
 
 
-def _otlp_processor() -> SpanProcessor:
+def otlp_processor() -> SpanProcessor:
+    """What the spans go to by default: batches sent over OTLP/HTTP, configured by OpenTelemetry's
+    own variables (``OTEL_EXPORTER_OTLP_ENDPOINT``...)."""
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # noqa: PLC0415
             OTLPSpanExporter,
