@@ -115,8 +115,27 @@ def drain_timeout(count: int) -> float:
     return max(120.0, count / 20)
 
 
+async def create_missing_database(url: str) -> None:
+    """Create the bench's PostgreSQL database when the server does not have it yet."""
+    import asyncpg  # noqa: PLC0415 (PostgreSQL only)
+
+    parsed = sa.engine.make_url(url).set(drivername="postgresql")
+    try:
+        connection = await asyncpg.connect(parsed.render_as_string(hide_password=False))
+    except asyncpg.InvalidCatalogNameError:
+        server = await asyncpg.connect(parsed.set(database="postgres").render_as_string(hide_password=False))
+        try:
+            await server.execute(f'CREATE DATABASE "{parsed.database}"')
+        finally:
+            await server.close()
+    else:
+        await connection.close()
+
+
 async def prepare(target: Target) -> None:
-    """Migrate the bench database and create the bench's own table."""
+    """Create (when missing) and migrate the bench database, and create the bench's own table."""
+    if target.database.startswith("postgresql"):
+        await create_missing_database(target.database)
     await asyncio.to_thread(migrations.upgrade, target.database)
     await execute(
         target.database,
