@@ -104,3 +104,6 @@ def test_the_pre_commit_hooks_pass_on_a_fresh_service(
     result = check([pre_commit, "run", "--all-files", "--color", "never"], project, env=env, timeout=600)
     assert all(f"{name}" in result.stdout for name in ("ruff check", "mypy --strict", "import contracts"))
     assert "Failed" not in result.stdout
+    # `make hooks` as the README says (`-o install`: the shared environment stands for `make install`).
+    check(["make", "-o", "install", "hooks"], project, env=env)
+    assert "pre-commit" in (project / ".git" / "hooks" / "pre-commit").read_text()

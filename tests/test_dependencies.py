@@ -59,7 +59,7 @@ def test_the_service_passes_its_unit_and_architecture_tiers_at_its_lowest_direct
 
 def test_without_uv_make_install_uses_pip_and_the_versions_of_the_lock(tmp_path: Path) -> None:
     project = bake(tmp_path)
-    check([str(UV), "lock", "--quiet", "--python", sys.executable], project, env=TOOLS_ENV)
+    check(["make", "lock", f"PYTHON={sys.executable}"], project, env=TOOLS_ENV)  # the documented way
     locked = {
         canonicalize_name(p["name"]): Version(p["version"])
         for p in tomllib.loads((project / "uv.lock").read_text())["package"]

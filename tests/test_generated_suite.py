@@ -9,6 +9,8 @@ generated; the slow tier of the default bake runs the Kafka reliability scenario
 
 from __future__ import annotations
 
+import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,29 +24,48 @@ def _service_env() -> dict[str, str]:
     return {"REQUIRE_SERVICES": "1"} if REQUIRE_SERVICES else {}
 
 
-@pytest.mark.parametrize(
-    ("answers", "tiers"),
-    [({}, "not slow and not kafka"), ({"broker": "kafka"}, "kafka and not slow")],
-    ids=["rabbitmq-default", "kafka"],
-)
-def test_generated_test_suite_passes(tmp_path: Path, answers: dict[str, str], tiers: str) -> None:
-    project = bake(tmp_path, **answers)
-    python = install(project)
-    result = check(
-        [str(python), "-m", "pytest", "-m", tiers, "-q", "-p", "no:cacheprovider"],
-        project,
-        env=_service_env(),
-        timeout=1500,
-    )
-    print(result.stdout[-3000:])  # the summary shows what ran and what was skipped, and why
+@pytest.fixture(scope="module")
+def default_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The default bake, installed once for its fast and its slow tiers: (project, python)."""
+    project = bake(tmp_path_factory.mktemp("default"))
+    return project, install(project)
 
 
-def test_generated_slow_tiers_pass_and_catch_the_known_bugs(tmp_path: Path) -> None:
+def test_generated_test_suites_pass_default_and_kafka(
+    default_service: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The default bake's fast tiers and the Kafka bake's Kafka tier, run at the same time: the
+    Kafka tier spends most of its time waiting for consumer-group joins, not on the CPU."""
+    project, python = default_service
+    kafka_project = bake(tmp_path, broker="kafka")
+    kafka_python = install(kafka_project)
+    suites = {
+        "default": (project, python, "not slow and not kafka"),
+        "kafka": (kafka_project, kafka_python, "kafka and not slow"),
+    }
+    running = {}
+    for name, (root, interpreter, tiers) in suites.items():
+        log = (tmp_path / f"{name}.log").open("w")
+        command = [str(interpreter), "-m", "pytest", "-m", tiers, "-q", "-p", "no:cacheprovider"]
+        environment = {**os.environ, **_service_env()}
+        started = subprocess.Popen(command, cwd=root, env=environment, stdout=log, stderr=subprocess.STDOUT)
+        running[name] = (started, log)
+    failed = []
+    for name, (started, log) in running.items():
+        code = started.wait(timeout=1500)
+        log.close()
+        output = (tmp_path / f"{name}.log").read_text()
+        print(f"--- {name} ---\n{output[-3000:]}")  # what ran and what was skipped, and why
+        if code != 0:
+            failed.append(f"{name} suite failed ({code}):\n{output[-6000:]}")
+    assert failed == [], "\n".join(failed)
+
+
+def test_generated_slow_tiers_pass_and_catch_the_known_bugs(default_service: tuple[Path, Path]) -> None:
     """The reliability and slow tiers (several real processes) of the default bake; then its
     mutation check: each known bug, applied to a copy, fails a reliability scenario (no
     baseline run: the tier has just passed on the same code)."""
-    project = bake(tmp_path)
-    python = install(project)
+    project, python = default_service
     result = check(
         [str(python), "-m", "pytest", "-m", "slow", "-q", "-p", "no:cacheprovider"],
         project,
@@ -54,12 +75,7 @@ def test_generated_slow_tiers_pass_and_catch_the_known_bugs(tmp_path: Path) -> N
     print(result.stdout[-4000:])  # the reliability summary table
     if not REQUIRE_SERVICES:
         return  # the mutations need every service; the tier above said which were missing
-    mutations = check(
-        [str(python), "-m", "tests.reliability.mutations", "--skip-baseline"],
-        project,
-        env=_service_env(),
-        timeout=1500,
-    )
+    mutations = check(["make", "test-mutations", "MUTATION_ARGS=--skip-baseline"], project, timeout=1500)
     print(mutations.stdout[-3000:])
 
 

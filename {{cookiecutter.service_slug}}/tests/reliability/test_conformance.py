@@ -145,11 +145,12 @@ async def start_workers(fleet: Fleet, *names: str, options: tuple[str, ...] = ()
 async def test_1_workers_killed_at_random_lose_nothing_and_duplicate_no_effect(
     stage: MakeStage, transport: str
 ) -> None:
-    """5,000 events (half on 50 ordering keys) drained by two workers while one of them, chosen
-    at random, is SIGKILLed at a random moment and restarted, four times."""
+    """3,000 events (half on 50 ordering keys) drained by two workers while one of them, chosen
+    at random, is SIGKILLed at a random moment and restarted, four times (the kills fall within
+    the first ten seconds, while the drain is running)."""
     scene = await stage(transport, "--lease", "3")
-    sent = await write_events(scene.container, 2500, per_commit=25)
-    sent += await write_events(scene.container, 2500, key_of=cycling(50), per_commit=25, first=2500)
+    sent = await write_events(scene.container, 1500, per_commit=25)
+    sent += await write_events(scene.container, 1500, key_of=cycling(50), per_commit=25, first=1500)
     await start_workers(scene.fleet, "w1", "w2")
     chaos = random.Random()
     for _ in range(4):
@@ -433,11 +434,14 @@ async def test_9_hostile_messages_in_a_normal_stream_are_dead_lettered_and_the_r
 # -- 10. sustained load ----------------------------------------------------------------------
 
 
+SUSTAINED_SECONDS = 40
+
+
 @pytest.mark.parametrize("transport", RABBITMQ)
 async def test_10_sustained_load_drains_and_the_oldest_pending_age_stays_bounded(
     stage: MakeStage, transport: str
 ) -> None:
-    """60 events per second for 60 s, two workers: sampled every second, the age of the
+    """60 events per second for 40 s, two workers: sampled every second, the age of the
     oldest pending row stays bounded and does not grow (a relay slower than the writers would
     show a backlog aging second by second), and the backlog drains once the writers stop."""
     scene = await stage(transport)
@@ -445,15 +449,16 @@ async def test_10_sustained_load_drains_and_the_oldest_pending_age_stays_bounded
     sent: list[Any] = []
     ages: list[float] = []
     began = time.monotonic()
-    for second in range(60):
+    for second in range(SUSTAINED_SECONDS):
         sent += await write_events(scene.container, 60, per_commit=10, first=second * 60)
         ages.append(await oldest_pending_age(scene.container))
         await asyncio.sleep(max(0.0, began + second + 1 - time.monotonic()))
     rate = len(sent) / (time.monotonic() - began)
     await all_received(scene.container, sent, DRAIN_SECONDS)
-    drained = time.monotonic() - began - 60
+    drained = time.monotonic() - began - SUSTAINED_SECONDS
     await scene.fleet.stop_all()
-    early, late = statistics.median(ages[:20]), statistics.median(ages[-20:])
+    window = SUSTAINED_SECONDS // 3
+    early, late = statistics.median(ages[:window]), statistics.median(ages[-window:])
     notes = (
         f"{rate:.0f}/s written; oldest pending: max {max(ages):.1f} s, median {early:.1f} s then {late:.1f} s"
     )
