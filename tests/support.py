@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 from cookiecutter.main import cookiecutter
 
@@ -80,30 +75,3 @@ def load_answer_rules() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now (for a service process the test starts)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def http(
-    url: str, *, token: str | None = None, body: object = None, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    """One request with the standard library: (status, JSON body, or the text of any other)."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")  # noqa: S310
-    request.add_header("Content-Type", "application/json")
-    for name, value in (headers or {}).items():
-        request.add_header(name, value)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
-            raw = response.read()
-            kind = response.headers.get("Content-Type", "")
-            return response.status, json.loads(raw or b"null") if "json" in kind else raw.decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()

@@ -27,6 +27,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,7 +37,7 @@ from typing import Any
 
 import pytest
 
-from .support import REQUIRE_SERVICES, TEMPLATE, TOOLS_ENV, bake, check, free_port, http, install
+from .support import REQUIRE_SERVICES, TEMPLATE, TOOLS_ENV, bake, check, install
 
 pytestmark = pytest.mark.journey
 POSTGRES = ("127.0.0.1", 5432)
@@ -108,6 +110,31 @@ def require(**services: tuple[str, int]) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(reason)
     pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def http(
+    url: str, *, token: str | None = None, body: object = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")  # noqa: S310
+    request.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            raw = response.read()
+            kind = response.headers.get("Content-Type", "")
+            return response.status, json.loads(raw or b"null") if "json" in kind else raw.decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def until(found: Callable[[], Any], what: str, timeout: float = 60) -> Any:

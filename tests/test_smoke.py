@@ -3,16 +3,39 @@ wait for /readyz, place an order, see its notification, stop with SIGTERM: a cle
 
 from __future__ import annotations
 
+import json
 import signal
+import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from .support import bake, check, free_port, http, install
+from .support import bake, check, install
 
 pytestmark = pytest.mark.smoke
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _request(url: str, *, token: str | None = None, body: object = None) -> tuple[int, object]:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET")  # noqa: S310
+    request.add_header("Content-Type", "application/json")
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:  # noqa: S310
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read() or b"null")
 
 
 def _wait_ready(base: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
@@ -23,7 +46,7 @@ def _wait_ready(base: str, process: subprocess.Popen[str], timeout: float = 60) 
                 f"the service exited early:\n{process.stderr.read() if process.stderr else ''}"
             )
         try:
-            if http(f"{base}/readyz")[0] == 200:
+            if _request(f"{base}/readyz")[0] == 200:
                 return
         except OSError:
             pass
@@ -38,7 +61,7 @@ def test_service_runs_on_the_embedded_default(tmp_path: Path) -> None:
     token = check(
         [str(python), "-m", "order_service", "token", "--tenant", "acme", "--user", "alice"], project
     ).stdout.strip()
-    port = free_port()
+    port = _free_port()
     base = f"http://127.0.0.1:{port}"
     process = subprocess.Popen(
         [str(python), "-m", "order_service", "run", "--port", str(port)],
@@ -49,7 +72,7 @@ def test_service_runs_on_the_embedded_default(tmp_path: Path) -> None:
     )
     try:
         _wait_ready(base, process)
-        status, order = http(
+        status, order = _request(
             f"{base}/orders",
             token=token,
             body={"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]},
@@ -60,7 +83,7 @@ def test_service_runs_on_the_embedded_default(tmp_path: Path) -> None:
         deadline = time.monotonic() + 20
         notifications: object = []
         while time.monotonic() < deadline and not notifications:
-            _, notifications = http(f"{base}/notifications?order_id={order['id']}", token=token)
+            _, notifications = _request(f"{base}/notifications?order_id={order['id']}", token=token)
             time.sleep(0.2)
         assert isinstance(notifications, list)
         assert [n["event_name"] for n in notifications] == ["orders.order-placed.v1"]
