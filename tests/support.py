@@ -48,14 +48,31 @@ def check(command: list[str], cwd: Path, **kwargs: object) -> subprocess.Complet
     return result
 
 
-def install(project: Path) -> Path:
+def install(project: Path, interpreter: str = sys.executable) -> Path:
     """Create ``.venv`` in a baked project the way its users do: ``make install`` (with this
-    environment's uv on PATH: ``uv.lock`` made on the first install, then ``uv sync --locked``)."""
+    environment's uv on PATH: ``uv.lock`` made on the first install, then ``uv sync --locked``)
+    on ``interpreter`` (the one running these tests unless told)."""
     python = project / ".venv" / "bin" / "python"
     if python.exists():
         return python
-    check(["make", "install", f"PYTHON={sys.executable}"], project, env=TOOLS_ENV)
+    check(["make", "install", f"PYTHON={interpreter}"], project, env=TOOLS_ENV)
     return python
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter of ``version`` (``"3.13"``) that runs: ``python3.13`` on PATH, a pyenv
+    installation (whose shim answers only for the selected versions), or uv's discovery."""
+    candidates = [shutil.which(f"python{version}") or ""]
+    pyenv_versions = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    candidates += sorted(map(str, pyenv_versions.glob(f"{version}*/bin/python{version}")), reverse=True)
+    if UV:
+        found = run([UV, "python", "find", version], TEMPLATE, env=TOOLS_ENV, timeout=60)
+        candidates.append(found.stdout.strip() if found.returncode == 0 else "")
+    for candidate in filter(None, candidates):
+        probe = run([candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], TEMPLATE)
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return candidate
+    return None
 
 
 def text_files(root: Path) -> list[Path]:

@@ -35,18 +35,31 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def cut(self) -> None:
-        """Refuse new connections and drop the open ones (the port stays reserved)."""
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        """Refuse new connections and drop the open ones (the port stays reserved).
+
+        The open connections are closed before ``wait_closed()``: since Python 3.12.1 it waits
+        for them, so awaiting it first hung for as long as a client kept its line."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
         for writer in list(self._writers):
             writer.close()
         self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
 
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        server_reader, server_writer = await asyncio.open_connection(*self._target)
-        self._writers |= {client_writer, server_writer}
+        self._writers.add(client_writer)  # before the upstream connect, so a cut meanwhile drops it
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            client_writer.close()
+            self._writers.discard(client_writer)
+            return
+        if client_writer not in self._writers:  # cut while connecting upstream
+            server_writer.close()
+            return
+        self._writers.add(server_writer)
         await asyncio.gather(
             self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
         )
