@@ -17,7 +17,8 @@ breaking your code.
   handler :func:`current_delivery`;
 * HTTP: the FastAPI dependencies :func:`authenticated`, :func:`require_role` and
   :func:`units_of_work`;
-* tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL).
+* tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL), :func:`upsert` (an atomic
+  ``INSERT ... ON CONFLICT`` on either database: counters and create-unless-present).
 """
 
 from .application.handler_types import Handler
@@ -34,6 +35,7 @@ from .application.unit_of_work import (
 from .inbox.delivery import Delivery, current_delivery
 from .kernel.request_context import RequestContext, current_context
 from .persistence.tables import JSON_TYPE
+from .persistence.upsert import upsert
 from .unit_of_work.repository import Repository
 from .web.dependencies import authenticated, require_role, units_of_work
 from .web.errors import STORABLE_TEXT, ErrorOut, error_responses
@@ -62,4 +64,5 @@ __all__ = [
     "error_responses",
     "require_role",
     "units_of_work",
+    "upsert",
 ]
