@@ -117,6 +117,8 @@ class SqlIdempotencyKeys:
                 continue
             if found.fingerprint != fingerprint:
                 raise IdempotencyKeyReusedError(key.key)
+            # Always true: the answer is recorded in the transaction that inserted the row, and
+            # only committed rows are seen here.
             if found.status_code is not None and found.response_body is not None:
                 return Answer(found.status_code, found.response_body, replayed=True)
         msg = f"Idempotency-Key {key.key!r} could not be claimed; retry the request"
