@@ -381,7 +381,7 @@ def importlinter_ini(package: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-LAYERS = ("public", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands")
+LAYERS = ("public", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands", "idempotency")
 LAYERS += ("unit_of_work", "messaging", "polling", "persistence", "application", "kernel", "domain")
 
 

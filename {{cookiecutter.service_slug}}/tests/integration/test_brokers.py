@@ -309,6 +309,59 @@ async def test_the_same_message_delivered_twice_has_one_effect(start: Start, tra
     assert len(observer.seen) == 1  # the inbox skipped the copy before the handler
 
 
+async def publish_again(container: Container, message: Envelope, transport: str) -> None:
+    """Publish ``message`` once more, past JetStream's publish dedup on NATS (which drops a
+    second publish with the same ``Nats-Msg-Id`` before any consumer sees it)."""
+    bus = container.bus()
+    if transport != "nats":
+        await bus.publish(message)
+        return
+    signed = container.signer().sign(message.headers(), message.body)
+    await bus.broker.publish(  # type: ignore[attr-defined]
+        message.body,
+        bus.names.channel(message.event_name),  # type: ignore[attr-defined]
+        headers=signed | {"Nats-Msg-Id": f"{message.message_id}-{uuid.uuid4().hex[:8]}"},
+        stream=bus.names.stream("events"),  # type: ignore[attr-defined]
+    )
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_same_id_message_with_another_body_is_dead_lettered_as_a_conflicting_duplicate(
+    start: Start, transport: str
+) -> None:
+    """Dedup is on the message id, but a second message under a processed id whose signed body
+    differs is not a copy: it is dead-lettered (``conflicting_duplicate``) for someone to look
+    at, never handled and never silently acknowledged; a true copy is still skipped."""
+    container, observer = await start(transport)
+    first = envelope(7)
+    await container.bus().publish(first)
+    await effects_become(container, ["consumed:7"])
+    conflicting = envelope(8, message_id=first.message_id)
+    await publish_again(container, conflicting, transport)
+    letters: list[Any] = []
+    deadline = time.monotonic() + 15
+    while not letters and time.monotonic() < deadline:
+        letters = await container.bus().dead_letters(CONSUMER)
+        await asyncio.sleep(0.2)
+    assert [letter.headers["x-message-id"] for letter in letters] == [first.message_id]
+    assert "conflicting_duplicate" in letters[0].error
+    registry = container.metrics().registry
+
+    def conflicts() -> float | None:
+        return registry.get_sample_value(
+            "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "conflicting_duplicate"}
+        )
+
+    assert conflicts() == 1.0
+    await publish_again(container, first, transport)  # a true copy: acknowledged and skipped
+    await eventually(
+        lambda: registry.get_sample_value("inbox_duplicates_total", {"consumer": CONSUMER}) == 1.0
+    )
+    assert await effects_of(container) == ["consumed:7"]
+    assert [seen["value"] for seen in observer.seen] == [7]
+    assert conflicts() == 1.0  # the copy was not taken for a conflict
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_failing_handler_is_redelivered_then_dead_lettered(start: Start, transport: str) -> None:
     container, observer = await start(transport, failures=-1)  # fails forever

@@ -16,8 +16,10 @@ breaking your code.
 * the caller: :class:`RequestContext`, :func:`current_context`, and inside an integration-event
   handler :func:`current_delivery`;
 * HTTP: the FastAPI dependencies :func:`authenticated`, :func:`require_role` and
-  :func:`units_of_work`;
-* tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL).
+  :func:`units_of_work`; for a create command, :func:`idempotency_key` (the ``Idempotency-Key``
+  header), :func:`run_once` and :func:`idempotent_response` (a retried request runs once);
+* tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL), :func:`upsert` (an atomic
+  ``INSERT ... ON CONFLICT`` on either database: counters and create-unless-present).
 """
 
 from .application.handler_types import Handler
@@ -31,12 +33,15 @@ from .application.unit_of_work import (
     UnitOfWork,
     UnitOfWorkFactory,
 )
+from .idempotency.keys import IdempotencyKey, IdempotencyKeyReusedError, run_once
 from .inbox.delivery import Delivery, current_delivery
 from .kernel.request_context import RequestContext, current_context
 from .persistence.tables import JSON_TYPE
+from .persistence.upsert import upsert
 from .unit_of_work.repository import Repository
 from .web.dependencies import authenticated, require_role, units_of_work
 from .web.errors import STORABLE_TEXT, ErrorOut, error_responses
+from .web.idempotency import idempotency_key, idempotent_response
 
 __all__ = [
     "JSON_TYPE",
@@ -47,6 +52,8 @@ __all__ = [
     "ErrorOut",
     "Handler",
     "HandlerRegistry",
+    "IdempotencyKey",
+    "IdempotencyKeyReusedError",
     "IntegrationEvent",
     "InternalCommand",
     "Module",
@@ -60,6 +67,10 @@ __all__ = [
     "current_context",
     "current_delivery",
     "error_responses",
+    "idempotency_key",
+    "idempotent_response",
     "require_role",
+    "run_once",
     "units_of_work",
+    "upsert",
 ]

@@ -121,6 +121,7 @@ def retention_policy(settings: Settings) -> RetentionPolicy:
         retention_days=settings.outbox.retention_days,
         dead_letter_days=settings.outbox.dead_letter_window_days,
         inbox_retention_days=settings.inbox.retention_days,
+        idempotency_key_hours=settings.api.idempotency_key_retention_hours,
         batch_size=settings.outbox.cleanup_batch_size,
     )
 

@@ -46,11 +46,18 @@ class DatabaseSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen, and the largest request body they read."""
+    """Where `run` and `api` listen, the largest request body they read, and how long an
+    ``Idempotency-Key`` is remembered."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=1_048_576, ge=1)
+    idempotency_key_retention_hours: float = Field(
+        default=24.0,
+        ge=0,
+        le=24 * 366,
+        description="How long an Idempotency-Key answers its first answer; 0 keeps keys for ever",
+    )
 
 
 class WorkerSettings(BaseModel):

@@ -71,6 +71,12 @@ class TransactionalUnitOfWork(UnitOfWork, Protocol):
         """Abandon the business change, its outbox rows and its deferred work alike."""
         ...
 
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` in this transaction at commit, after the aggregates are saved (they
+        carry their saved versions meanwhile): to record the answer of the operation, such as an
+        idempotency key's, atomically with it."""
+        ...
+
     async def run(self, operation: Callable[[Self], Awaitable[T]]) -> T:
         """Run ``operation`` and commit, re-running all of it on a transient database error."""
         ...

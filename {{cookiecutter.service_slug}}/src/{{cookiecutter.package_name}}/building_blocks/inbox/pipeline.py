@@ -16,7 +16,11 @@ together -> acknowledge.
   legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
   Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
 * A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
-  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip.
+  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
+  the message id, but the inbox row also keeps the SHA-256 of the signed body: a message under a
+  processed id whose body differs is not a copy (a producer reusing ids, or a bug upstream), and
+  skipping it would lose it silently. It raises :class:`RejectedMessageError`
+  (``conflicting_duplicate``) and is dead-lettered with that reason, for a person to look at.
 * A handler failure rolls everything back, including the staged inbox row, so the redelivery is
   not mistaken for a duplicate; the exception propagates and the transport redelivers (bounded)
   then dead-letters.
@@ -27,6 +31,7 @@ The handler runs under the runtime guard: it must not commit; the pipeline does.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -46,8 +51,9 @@ from ..kernel.metrics import RelayMetrics
 from ..kernel.no_tracing import NoTracing
 from ..kernel.request_context import current_context
 from ..kernel.tracing import SpanKind, Tracing
+from ..messaging.envelope import Envelope
 from ..messaging.reading import read_envelope
-from ..messaging.rejections import RejectedMessageError
+from ..messaging.rejections import RejectedMessageError, Rejection
 from ..messaging.signing import Signer
 from ..persistence.audit_tables import INBOX_TABLE, InboxMessage
 from ..persistence.handler_scope import handler_scope
@@ -116,7 +122,10 @@ class ConsumePipeline:
             context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
             with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
                 try:
-                    outcome = await self._run(consumer, message, envelope.message_id, envelope.event_name)
+                    outcome = await self._run(consumer, message, envelope)
+                except RejectedMessageError as rejected:  # a conflicting duplicate
+                    self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+                    raise
                 except Exception:
                     self._metrics.inbox_failures.labels(consumer.name).inc()
                     raise
@@ -128,12 +137,12 @@ class ConsumePipeline:
             self._metrics.inbox_consumed.labels(consumer.name).inc()
         return outcome
 
-    async def _run(
-        self, consumer: Consumer[Any], message: Message, message_id: str, event_name: str
-    ) -> ConsumeOutcome:
+    async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
+        message_id, event_name = envelope.message_id, envelope.event_name
+        digest = hashlib.sha256(envelope.body).hexdigest()
         async with self._units() as uow:
             if self._inbox:
-                if await self._already_consumed(uow.session, message_id, consumer.name):
+                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
                     return ConsumeOutcome.DUPLICATE
                 context = current_context()
                 uow.stage_inbox(
@@ -144,6 +153,7 @@ class ConsumePipeline:
                         tenant_id=context.tenant_id,
                         correlation_id=context.correlation_id,
                         received_on=self._clock(),
+                        body_digest=digest,
                     )
                 )
             with handler_scope(handler_name(consumer.handler)):
@@ -156,16 +166,28 @@ class ConsumePipeline:
                 await uow.session.rollback()
                 # A racing consumer whose inbox row committed first, or a genuine constraint
                 # violation in the handler's own writes: only the first is a duplicate.
-                if await self._already_consumed(uow.session, message_id, consumer.name):
+                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
                     return ConsumeOutcome.DUPLICATE
                 raise
         return ConsumeOutcome.CONSUMED
 
     @staticmethod
-    async def _already_consumed(session: AsyncSession, message_id: str, consumer: str) -> bool:
+    async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:
+        """Whether ``consumer`` has processed ``message_id``; a processed id whose recorded body
+        digest differs from ``digest`` raises ``conflicting_duplicate``."""
         result = await session.exec(  # type: ignore[call-overload]
-            sa.select(INBOX.c.message_id).where(
+            sa.select(INBOX.c.body_digest).where(
                 INBOX.c.message_id == message_id, INBOX.c.consumer == consumer
             )
         )
-        return result.first() is not None
+        row = result.first()
+        if row is None:
+            return False
+        recorded = row[0]
+        if recorded is not None and recorded != digest:
+            raise RejectedMessageError(
+                Rejection.CONFLICTING_DUPLICATE,
+                f"message {message_id} was processed with another body (sha256 {recorded[:12]}...,"
+                f" this one {digest[:12]}...)",
+            )
+        return True

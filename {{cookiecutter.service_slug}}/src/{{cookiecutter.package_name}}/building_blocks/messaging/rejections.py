@@ -18,6 +18,8 @@ class Rejection(StrEnum):
     UNKNOWN_EVENT = "unknown_event"
     UNEXPECTED_EVENT = "unexpected_event"
     STALE = "stale"  # older than the inbox remembers (see inbox/pipeline.py)
+    # A processed message id arriving again with another signed body (see inbox/pipeline.py).
+    CONFLICTING_DUPLICATE = "conflicting_duplicate"
 
 
 class RejectedMessageError(ValueError):

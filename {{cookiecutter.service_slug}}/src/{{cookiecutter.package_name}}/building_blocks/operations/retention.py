@@ -3,13 +3,14 @@
 Processed rows go ``OUTBOX__RETENTION_DAYS`` (default 7; 0 disables) after they were processed,
 dead letters ``OUTBOX__DEAD_LETTER_RETENTION_DAYS`` (0 = same as retention; set it longer to keep
 evidence for diagnosis and replay) after they were dead-lettered, inbox rows
-``INBOX__RETENTION_DAYS`` after they were received. The clock starts at the row's *last* state
-change, not at ``occurred_on``: a row replayed or delivered late keeps its full window (keyed on
-``occurred_on``, a week-old event delivered today would be deleted at the next sweep, and a
-replayed dead letter that failed again would vanish before anyone read it). Deletion cannot be
-undone, so every sweep that removed rows logs one Warning per table naming the counts. Deletes run in bounded
-batches, each its own short transaction, through indexes that contain no pending row, so the
-claim's hot path is never locked for long.
+``INBOX__RETENTION_DAYS`` after they were received, idempotency keys
+``API__IDEMPOTENCY_KEY_RETENTION_HOURS`` after they were first used. The clock starts at the row's
+*last* state change, not at ``occurred_on``: a row replayed or delivered late keeps its full window
+(keyed on ``occurred_on``, a week-old event delivered today would be deleted at the next sweep, and
+a replayed dead letter that failed again would vanish before anyone read it). Deletion cannot be
+undone, so every sweep that removed rows logs one Warning per table naming the counts. Deletes run
+in bounded batches, each its own short transaction, through indexes that contain no pending row, so
+the claim's hot path is never locked for long.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import sqlalchemy as sa
 
 from ..kernel.clock import Clock
 from ..kernel.metrics import RelayMetrics
-from ..persistence.audit_tables import INBOX_TABLE
+from ..persistence.audit_tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE
 from ..persistence.database import Database
 from ..persistence.tables import POLLED_TABLES
 
 log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE
+KEYS = IDEMPOTENCY_KEYS_TABLE
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class RetentionPolicy:
     dead_letter_days: int  # resolved: OUTBOX__DEAD_LETTER_RETENTION_DAYS, else RETENTION_DAYS
     inbox_retention_days: int
     batch_size: int
+    idempotency_key_hours: float  # 0 keeps idempotency keys for ever
 
 
 class RetentionCleaner:
@@ -89,6 +92,11 @@ class RetentionCleaner:
             cutoff = now - timedelta(days=policy.inbox_retention_days)
             counts["inbox:consumed"] = await self._delete_batches(
                 INBOX, [INBOX.c.message_id, INBOX.c.consumer], INBOX.c.received_on < cutoff
+            )
+        if policy.idempotency_key_hours > 0:
+            cutoff = now - timedelta(hours=policy.idempotency_key_hours)
+            counts["idempotency_keys:expired"] = await self._delete_batches(
+                KEYS, [KEYS.c.tenant_id, KEYS.c.key], KEYS.c.created_on < cutoff
             )
         self._report(counts)
         return counts

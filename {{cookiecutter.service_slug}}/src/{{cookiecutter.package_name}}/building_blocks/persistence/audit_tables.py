@@ -1,5 +1,6 @@
-"""The service's own audit and inbox tables: one row per consumed message per consumer (its primary
-key is the deduplication guard), and one row per dead-letter replay."""
+"""The service's own audit, inbox and idempotency tables: one row per consumed message per consumer
+(its primary key is the deduplication guard), one row per dead-letter replay, and one row per
+answered idempotency key per tenant."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class InboxMessage(SQLModel, table=True):
     tenant_id: str | None = Field(default=None, max_length=64)
     correlation_id: str | None = Field(default=None, max_length=64)
     received_on: datetime
+    # SHA-256 (hex) of the signed body: a later message under this id with another body is a
+    # conflict, not a copy. NULL on rows received before the column existed.
+    body_digest: str | None = Field(default=None, max_length=64)
 
 
 class DeadLetterReplay(SQLModel, table=True):
@@ -39,4 +43,22 @@ class DeadLetterReplay(SQLModel, table=True):
     message_ids: list[str] = Field(sa_type=JSON_TYPE, nullable=False)
 
 
+class IdempotencyKey(SQLModel, table=True):
+    """One create request per ``(tenant, Idempotency-Key)``, written in the transaction that ran
+    it, with the answer it got (see ``idempotency/keys.py``). The primary key is the guard that
+    makes a concurrent retry wait for, then repeat, the first answer."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (sa.Index("ix_idempotency_keys_created_on", "created_on"),)
+
+    tenant_id: str = Field(primary_key=True, max_length=64)  # "" for a caller without a tenant
+    key: str = Field(primary_key=True, max_length=255)
+    fingerprint: str = Field(max_length=64)  # SHA-256 (hex) of the operation and its body
+    status_code: int | None = None
+    # The answer's exact JSON text (not JSONB, which reorders keys): a replay repeats its bytes.
+    response_body: str | None = Field(default=None, sa_type=sa.Text)
+    created_on: datetime
+
+
 INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
+IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKey.__table__  # type: ignore[attr-defined]

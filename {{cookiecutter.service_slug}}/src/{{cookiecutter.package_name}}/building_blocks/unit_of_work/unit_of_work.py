@@ -108,6 +108,7 @@ class SqlUnitOfWork:
         self._integration_events: list[IntegrationEvent] = []
         self._commands: list[tuple[InternalCommand, datetime | None]] = []
         self._records = DeliveryRecords()
+        self._before_commit: list[Callable[[], Awaitable[None]]] = []
         self.committed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -188,6 +189,12 @@ class SqlUnitOfWork:
         """Run ``command`` later, in its own unit of work, once this transaction commits."""
         self._commands.append((command, due_at))
 
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` in this transaction at commit, once the aggregates are saved: while it
+        runs they carry their saved versions, so it can record what the caller will be answered
+        (an idempotency key's answer) in the same transaction."""
+        self._before_commit.append(write)
+
     def stamp_processed_on_commit(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
         """Mark a delivered row processed in this transaction (dispatcher and processors)."""
         self._records.stamp(store, row_id, token)
@@ -231,6 +238,7 @@ class SqlUnitOfWork:
             raise UnitOfWorkStateError(msg)
         captured = _Captured([(agg, repo, agg.pending_events) for agg, repo in self._tracked])
         new_versions = await self._persist_aggregates(captured)
+        await self._run_before_commit(new_versions)
         outbox, written = await self._write_rows(captured)
         await self._records.apply(self.session, self.now)
         await self.session.commit()
@@ -247,6 +255,21 @@ class SqlUnitOfWork:
             for aggregate, repository, pending in captured.aggregates
             if pending
         ]
+
+    async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
+        """The ``before_commit`` writes, with the saved versions on the aggregates meanwhile; the
+        versions go back until the commit succeeds (a failed commit changed nothing)."""
+        if not self._before_commit:
+            return
+        saved = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
+        for aggregate, version in new_versions:
+            aggregate.version = version
+        try:
+            for write in self._before_commit:
+                await write()
+        finally:
+            for aggregate, version in saved:
+                aggregate.version = version
 
     async def _write_rows(self, captured: _Captured) -> tuple[Capture, list[WrittenRow]]:
         """One outbox row per event and one row per command, in this transaction."""

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from ..domain.errors import ConcurrencyError, DomainError, NotFoundError
+from ..idempotency.keys import IdempotencyKeyReusedError
 from ..kernel.text import ECHO_LIMIT, shorten
 
 # A text field's pattern: no NUL (no database stores it alike; the edge refuses it, 422), so the
@@ -39,7 +40,8 @@ WHY = {
     404: "Not found (another tenant's row answers the same)",
     409: "Conflict with the current state (a stale version, a transition not allowed)",
     413: "The body is larger than API__MAX_BODY_BYTES",
-    422: "A field the service refuses (FastAPI's field errors, or text no database stores alike)",
+    422: "A field the service refuses (FastAPI's field errors, or text no database stores alike),"
+    " or an Idempotency-Key already used for another request",
     503: "Not available: see the body",
 }
 
@@ -57,7 +59,9 @@ def install_error_handlers(app: FastAPI) -> None:
         code = status.HTTP_409_CONFLICT
         if isinstance(error, NotFoundError):
             code = status.HTTP_404_NOT_FOUND
-        elif not isinstance(error, ConcurrencyError) and error.code == "invalid":
+        elif isinstance(error, IdempotencyKeyReusedError) or (
+            not isinstance(error, ConcurrencyError) and error.code == "invalid"
+        ):
             code = status.HTTP_422_UNPROCESSABLE_CONTENT
         if error.field is not None:  # shaped like FastAPI's own validation errors
             detail = [{"loc": ["body", *error.field], "msg": error.message, "type": error.code}]

@@ -7,16 +7,20 @@ import time to build the dependency graph.
 from decimal import Decimal
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, status
+from fastapi import APIRouter, Depends, Path, Response, status
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...building_blocks.public import (
     STORABLE_TEXT,
+    IdempotencyKey,
     RequestContext,
     UnitOfWork,
     UnitOfWorkFactory,
     authenticated,
     error_responses,
+    idempotency_key,
+    idempotent_response,
+    run_once,
     units_of_work,
 )
 from . import application
@@ -25,6 +29,7 @@ from .domain import MAX_LINES, MAX_QUANTITY, Order, OrderLine
 router = APIRouter(prefix="/orders", tags=["orders"], responses=error_responses(401))
 Caller = Annotated[RequestContext, Depends(authenticated)]
 Units = Annotated[UnitOfWorkFactory, Depends(units_of_work)]
+Key = Annotated[IdempotencyKey | None, Depends(idempotency_key)]
 OrderId = Annotated[str, Path(min_length=1, max_length=64, pattern=STORABLE_TEXT)]
 # A price is a decimal string ("9.99"): a JSON number cannot carry cents exactly. At most
 # 999999.99 a unit, so 100 lines of 10,000 units stay within the order total the tables hold
@@ -90,8 +95,10 @@ class OrderOut(BaseModel):
         )
 
 
-@router.post("", status_code=status.HTTP_201_CREATED)
-async def place_order(body: PlaceOrderIn, _caller: Caller, units: Units) -> OrderOut:
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=OrderOut)
+async def place_order(body: PlaceOrderIn, _caller: Caller, units: Units, key: Key = None) -> Response:
+    """Place an order. With an ``Idempotency-Key`` header a retry is safe: the same key and body
+    answer the first answer (201, the same order) and place nothing; another body answers 422."""
     command = application.PlaceOrder(
         customer_id=body.customer_id,
         lines=tuple(OrderLine(line.sku, line.quantity, Decimal(line.unit_price)) for line in body.lines),
@@ -100,7 +107,15 @@ async def place_order(body: PlaceOrderIn, _caller: Caller, units: Units) -> Orde
     async def operation(uow: UnitOfWork) -> Order:
         return await application.place_order(uow, command)
 
-    return OrderOut.of(await units().run(operation))
+    answer = await run_once(
+        units,
+        operation,
+        present=lambda order: OrderOut.of(order).model_dump(mode="json"),
+        key=key,
+        request=body.model_dump(mode="json"),
+        status_code=status.HTTP_201_CREATED,
+    )
+    return idempotent_response(answer)
 
 
 @router.get("/{order_id}", responses=error_responses(404))

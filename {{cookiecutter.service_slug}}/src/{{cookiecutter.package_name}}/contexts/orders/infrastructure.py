@@ -6,12 +6,12 @@ from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
-from sqlmodel import col, select
+from sqlmodel import select
 
-from ...building_blocks.public import AdapterScope, Repository, current_context
+from ...building_blocks.public import AdapterScope, Repository, current_context, upsert
 from .domain import Order, OrderLine, OrderStatus
 from .ports import OrderSummary
-from .tables import ORDERS, CustomerStatisticsRow, OrderRow, OrderSummaryRow
+from .tables import CUSTOMER_STATISTICS, ORDERS, OrderRow, OrderSummaryRow
 
 
 def _lines_to_json(lines: tuple[OrderLine, ...]) -> list[dict[str, Any]]:
@@ -115,16 +115,23 @@ class SqlCustomerCounters:
         self.scope = scope
 
     async def count_order(self, tenant_id: str, customer_id: str) -> int:
-        statement = select(CustomerStatisticsRow).where(
-            col(CustomerStatisticsRow.tenant_id) == tenant_id,
-            col(CustomerStatisticsRow.customer_id) == customer_id,
-        )
-        row = (await self.scope.session.exec(statement)).first()
-        if row is None:
-            row = CustomerStatisticsRow(
-                tenant_id=tenant_id, customer_id=customer_id, orders_placed=0, updated_on=self.scope.now
+        # One atomic statement, never read, add one, write: the command processor delivers up
+        # to OUTBOX__DELIVERY_CONCURRENCY commands at once, each in a transaction of its own, and
+        # two that read the same count both write count + 1 (50 orders of one customer were
+        # counted 13). The database adds one to the row as it is when it writes (the second
+        # writer waits for the first), and ON CONFLICT turns the first order of two racing
+        # deliveries into an update instead of a unique violation. For a change that cannot be
+        # one statement, load the aggregate and let its version refuse a stale save
+        # (ConcurrencyError) and retry.
+        now = self.scope.now
+        table = CUSTOMER_STATISTICS
+        statement = (
+            upsert(self.scope.session, table)
+            .values(tenant_id=tenant_id, customer_id=customer_id, orders_placed=1, updated_on=now)
+            .on_conflict_do_update(
+                index_elements=[table.c.tenant_id, table.c.customer_id],
+                set_={"orders_placed": table.c.orders_placed + 1, "updated_on": now},
             )
-            self.scope.session.add(row)
-        row.orders_placed += 1
-        row.updated_on = self.scope.now
-        return row.orders_placed
+            .returning(table.c.orders_placed)
+        )
+        return int((await self.scope.session.exec(statement)).scalar_one())

@@ -57,3 +57,4 @@ class CustomerStatisticsRow(SQLModel, table=True):
 
 
 ORDERS = OrderRow.__table__  # type: ignore[attr-defined]
+CUSTOMER_STATISTICS = CustomerStatisticsRow.__table__  # type: ignore[attr-defined]

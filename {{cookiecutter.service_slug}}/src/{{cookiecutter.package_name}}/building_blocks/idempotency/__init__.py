@@ -1,0 +1,1 @@
+"""Idempotency keys: a create command a client retries runs once (see ``keys``)."""
