@@ -1,0 +1,171 @@
+"""The claim against what runs beside it: a replay of a dead letter, and a stop of the process.
+
+* A claim sees a snapshot. A replay committed while a claim was running used to let a second
+  claim take the replayed head of a key while the first one took the key's next row: two rows of
+  one key in flight. Replays and claims of a table are serialized on PostgreSQL (SQLite
+  serializes writers); the interleaving is forced here with a trigger that holds the first claim
+  inside its statement, after its snapshot, until the test lets it go.
+* The claim commits on its own. A stop that arrives after the server committed it and before the
+  rows reached the cycle used to leave the whole batch leased for a lease under a token nobody
+  held; the cycle now gives those rows back, uncharged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
+
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.container import Container, build_container
+
+from ..conftest import FakeClock, make_settings
+from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+
+pytestmark = pytest.mark.integration
+
+HOLD = 0x5E9A  # the session advisory lock the trigger waits for
+
+# Holds a claim by the processor "replica-a" inside its statement: the statement has taken its
+# snapshot and locked its rows, and waits here before it can commit.
+HOLD_CLAIM = (
+    f"""CREATE OR REPLACE FUNCTION test_hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN PERFORM pg_advisory_xact_lock({HOLD}); RETURN NEW; END $$""",
+    """CREATE TRIGGER test_hold_claim BEFORE UPDATE ON outbox_messages FOR EACH ROW
+    WHEN (NEW.locked_by = 'replica-a' AND NEW.lock_token IS DISTINCT FROM OLD.lock_token)
+    EXECUTE FUNCTION test_hold_claim()""",
+)
+RELEASE_CLAIM = ("SELECT pg_advisory_unlock_all()", "DROP TRIGGER IF EXISTS test_hold_claim ON outbox_messages")
+
+
+@pytest.fixture
+async def pg_container(postgres_url: str) -> AsyncIterator[Container]:
+    container = build_container(make_settings(postgres_url))
+    yield container
+    await container.database().dispose()
+
+
+@pytest.fixture
+async def control(postgres_url: str) -> AsyncIterator[AsyncConnection]:
+    """A connection of the test's own, outside the service's pools: installs the trigger and
+    holds the lock it waits for."""
+    engine = create_async_engine(postgres_url)
+    async with engine.connect() as connection:
+        connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+        for statement in HOLD_CLAIM:
+            await connection.exec_driver_sql(statement)
+        try:
+            yield connection
+        finally:
+            for statement in RELEASE_CLAIM:
+                await connection.exec_driver_sql(statement)
+    await engine.dispose()
+
+
+async def lock_waiters(connection: AsyncConnection) -> int:
+    """Backends of this database waiting for a heavyweight lock (an advisory one included)."""
+    statement = sa.text(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    return int((await connection.execute(statement)).scalar_one())
+
+
+async def settled(task: asyncio.Future[Any], connection: AsyncConnection, waiters: int) -> None:
+    """Wait until ``task`` has finished or ``waiters`` backends wait for a lock (it is blocked)."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while not task.done() and await lock_waiters(connection) < waiters:
+        assert asyncio.get_running_loop().time() < deadline, "neither finished nor blocked"
+        await asyncio.sleep(0.02)
+
+
+async def leased_rows_of_key(container: Container, key: str) -> list[uuid.UUID]:
+    t = OUTBOX_TABLE.c
+    now = FakeClock().now
+    statement = sa.select(t.id).where(
+        t.ordering_key == key,
+        t.processed_on.is_(None),
+        t.dead_lettered_on.is_(None),
+        t.lock_token.is_not(None),
+        t.locked_until >= now,
+    )
+    async with container.database().session() as session:
+        return [r[0] for r in (await session.exec(statement)).all()]  # type: ignore[call-overload]
+
+
+@pytest.mark.postgres
+async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_in_flight(
+    pg_container: Container, control: AsyncConnection
+) -> None:
+    """Replica A's claim takes its snapshot while seq 1 of key k is a dead letter, so seq 2 is
+    the key's head. Before A commits, an operator replays seq 1, and replica B claims: in B's
+    snapshot seq 1 is the head and A's lease on seq 2 is not visible yet. B must not take seq 1
+    while A takes seq 2."""
+    clock = FakeClock()
+    container = pg_container
+    dead, later = await insert_rows(container, [row("kit.k.v1", clock.now, key="k") for _ in range(2)])
+    async with container.database().session() as session:
+        await session.exec(  # type: ignore[call-overload]
+            OUTBOX_TABLE.update()
+            .where(OUTBOX_TABLE.c.id == dead)
+            .values(dead_lettered_on=clock.now, dead_letter_reason="retries_exhausted", retry_count=3)
+        )
+        await session.commit()
+    replica_a = outbox_source(container, ScriptedDeliverer(), clock)
+    replica_a._instance_id = "replica-a"  # noqa: SLF001 (the trigger holds only A's claim)
+    replica_b = outbox_source(container, ScriptedDeliverer(), clock)
+    replica_b._instance_id = "replica-b"  # noqa: SLF001
+
+    await control.execute(sa.text(f"SELECT pg_advisory_lock({HOLD})"))
+    claim_a = asyncio.ensure_future(replica_a.claim(uuid.uuid4()))
+    await settled(claim_a, control, 1)
+    assert not claim_a.done(), "the trigger did not hold replica A's claim"
+    replay = asyncio.ensure_future(container.admin().replay("outbox", [str(dead)], actor="operator"))
+    await settled(replay, control, 2)
+    claim_b = asyncio.ensure_future(replica_b.claim(uuid.uuid4()))
+    await settled(claim_b, control, 3)
+    await control.execute(sa.text(f"SELECT pg_advisory_unlock({HOLD})"))
+    claimed_a, _, claimed_b = await asyncio.wait_for(asyncio.gather(claim_a, replay, claim_b), 20)
+
+    assert [r.id for r in claimed_a] == [later]
+    assert [r.id for r in claimed_b] == [], "replica B took the replayed head while A held seq 2"
+    assert await leased_rows_of_key(container, "k") == [later]
+    assert (await state(container, dead)).dead_lettered_on is None  # the replay went through
+
+
+def stop_after_commit(source: Any, cycle: Callable[[], asyncio.Task[Any]]) -> None:
+    """Make ``source``'s claim be interrupted after it committed: the stop lands as the rows
+    come back from the database (where a connection returns to its pool)."""
+    original = source.claim
+
+    async def claim_then_stop(token: uuid.UUID) -> list[ClaimedRow]:
+        rows: list[ClaimedRow] = await original(token)
+        cycle().cancel()
+        await asyncio.sleep(0.05)  # the rows' way back to the cycle, where the stop arrives
+        return rows
+
+    source.claim = claim_then_stop
+
+
+async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(container: Container) -> None:
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(10)])
+    deliverer = ScriptedDeliverer()
+    source = outbox_source(container, deliverer, clock, batch_size=10, shutdown_timeout_seconds=5)
+    cycle: asyncio.Task[Any] | None = None
+    stop_after_commit(source, lambda: cycle)  # type: ignore[arg-type,return-value]
+    cycle = asyncio.create_task(source.run_cycle())
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert deliverer.delivered == []
+    for row_id in ids:
+        current = await state(container, row_id)
+        assert (current.lock_token, current.locked_until, current.locked_by) == (None, None, None)
+        assert (current.retry_count, current.processed_on, current.last_error) == (0, None, None)
+    again = await outbox_source(container, ScriptedDeliverer(), clock, batch_size=10).claim(uuid.uuid4())
+    assert sorted(r.id for r in again) == sorted(ids)  # claimable again at once, not after the lease
