@@ -41,7 +41,10 @@ HOLD_CLAIM = (
     WHEN (NEW.locked_by = 'replica-a' AND NEW.lock_token IS DISTINCT FROM OLD.lock_token)
     EXECUTE FUNCTION test_hold_claim()""",
 )
-RELEASE_CLAIM = ("SELECT pg_advisory_unlock_all()", "DROP TRIGGER IF EXISTS test_hold_claim ON outbox_messages")
+RELEASE_CLAIM = (
+    "SELECT pg_advisory_unlock_all()",
+    "DROP TRIGGER IF EXISTS test_hold_claim ON outbox_messages",
+)
 
 
 @pytest.fixture
@@ -56,8 +59,8 @@ async def control(postgres_url: str) -> AsyncIterator[AsyncConnection]:
     """A connection of the test's own, outside the service's pools: installs the trigger and
     holds the lock it waits for."""
     engine = create_async_engine(postgres_url)
-    async with engine.connect() as connection:
-        connection = await connection.execution_options(isolation_level="AUTOCOMMIT")
+    async with engine.connect() as plain:
+        connection = await plain.execution_options(isolation_level="AUTOCOMMIT")
         for statement in HOLD_CLAIM:
             await connection.exec_driver_sql(statement)
         try:
@@ -71,7 +74,8 @@ async def control(postgres_url: str) -> AsyncIterator[AsyncConnection]:
 async def lock_waiters(connection: AsyncConnection) -> int:
     """Backends of this database waiting for a heavyweight lock (an advisory one included)."""
     statement = sa.text(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        "SELECT count(*) FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
     )
     return int((await connection.execute(statement)).scalar_one())
 
@@ -116,10 +120,8 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
             .values(dead_lettered_on=clock.now, dead_letter_reason="retries_exhausted", retry_count=3)
         )
         await session.commit()
-    replica_a = outbox_source(container, ScriptedDeliverer(), clock)
-    replica_a._instance_id = "replica-a"  # noqa: SLF001 (the trigger holds only A's claim)
-    replica_b = outbox_source(container, ScriptedDeliverer(), clock)
-    replica_b._instance_id = "replica-b"  # noqa: SLF001
+    replica_a = outbox_source(container, ScriptedDeliverer(), clock, instance_id="replica-a")  # held
+    replica_b = outbox_source(container, ScriptedDeliverer(), clock, instance_id="replica-b")
 
     await control.execute(sa.text(f"SELECT pg_advisory_lock({HOLD})"))
     claim_a = asyncio.ensure_future(replica_a.claim(uuid.uuid4()))

@@ -86,7 +86,9 @@ class RelayAdministration:
         now = self._clock()
         async with self._db.session() as session:
             await refuse_unless_replayable(session, table, wanted, scope)
-            replayed_ids = await return_to_pending(session, table, wanted, scope)
+            replayed_ids = await return_to_pending(
+                session, table, wanted, scope, postgresql=self._db.is_postgresql
+            )
             session.add(
                 DeadLetterReplay(
                     source=table.name,
