@@ -15,18 +15,19 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import FakeClock, make_settings
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, polled_source, row, state
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +35,15 @@ HOLD = 0x5E9A  # the session advisory lock the trigger waits for
 
 # Holds a claim by the processor "replica-a" inside its statement: the statement has taken its
 # snapshot and locked its rows, and waits here before it can commit.
-HOLD_CLAIM = (
-    f"""CREATE OR REPLACE FUNCTION test_hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
-    BEGIN PERFORM pg_advisory_xact_lock({HOLD}); RETURN NEW; END $$""",
-    """CREATE TRIGGER test_hold_claim BEFORE UPDATE ON outbox_messages FOR EACH ROW
+HOLD_CLAIM = f"""CREATE OR REPLACE FUNCTION test_hold_claim() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN PERFORM pg_advisory_xact_lock({HOLD}); RETURN NEW; END $$"""
+TABLES = (OUTBOX_TABLE, COMMAND_TABLE)
+
+
+def hold_trigger(table: sa.Table) -> str:
+    return f"""CREATE TRIGGER test_hold_claim BEFORE UPDATE ON {table.name} FOR EACH ROW
     WHEN (NEW.locked_by = 'replica-a' AND NEW.lock_token IS DISTINCT FROM OLD.lock_token)
-    EXECUTE FUNCTION test_hold_claim()""",
-)
-RELEASE_CLAIM = (
-    "SELECT pg_advisory_unlock_all()",
-    "DROP TRIGGER IF EXISTS test_hold_claim ON outbox_messages",
-)
+    EXECUTE FUNCTION test_hold_claim()"""
 
 
 @pytest.fixture
@@ -61,13 +60,14 @@ async def control(postgres_url: str) -> AsyncIterator[AsyncConnection]:
     engine = create_async_engine(postgres_url)
     async with engine.connect() as plain:
         connection = await plain.execution_options(isolation_level="AUTOCOMMIT")
-        for statement in HOLD_CLAIM:
+        for statement in (HOLD_CLAIM, *(hold_trigger(table) for table in TABLES)):
             await connection.exec_driver_sql(statement)
         try:
             yield connection
         finally:
-            for statement in RELEASE_CLAIM:
-                await connection.exec_driver_sql(statement)
+            await connection.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+            for table in TABLES:
+                await connection.exec_driver_sql(f"DROP TRIGGER IF EXISTS test_hold_claim ON {table.name}")
     await engine.dispose()
 
 
@@ -88,9 +88,10 @@ async def settled(task: asyncio.Future[Any], connection: AsyncConnection, waiter
         await asyncio.sleep(0.02)
 
 
-async def leased_rows_of_key(container: Container, key: str) -> list[uuid.UUID]:
-    t = OUTBOX_TABLE.c
-    now = FakeClock().now
+async def leased_rows_of_key(
+    container: Container, table: sa.Table, key: str, now: datetime
+) -> list[uuid.UUID]:
+    t = table.c
     statement = sa.select(t.id).where(
         t.ordering_key == key,
         t.processed_on.is_(None),
@@ -102,9 +103,30 @@ async def leased_rows_of_key(container: Container, key: str) -> list[uuid.UUID]:
         return [r[0] for r in (await session.exec(statement)).all()]  # type: ignore[call-overload]
 
 
+async def a_dead_head_and_its_successor(
+    container: Container, table: sa.Table, now: datetime
+) -> list[uuid.UUID]:
+    """Two rows of key k; the first one dead-lettered, so the second is the key's head."""
+    rows = [row("kit.k.v1", now, key="k") for _ in range(2)]
+    if table is COMMAND_TABLE:  # a command row has a command name and no kind
+        for values in rows:
+            values["command_name"] = values.pop("event_name")
+            del values["kind"]
+    dead, later = await insert_rows(container, rows, table)
+    async with container.database().session() as session:
+        await session.exec(  # type: ignore[call-overload]
+            table.update()
+            .where(table.c.id == dead)
+            .values(dead_lettered_on=now, dead_letter_reason="retries_exhausted", retry_count=3)
+        )
+        await session.commit()
+    return [dead, later]
+
+
 @pytest.mark.postgres
+@pytest.mark.parametrize("table", TABLES, ids=lambda table: table.name)
 async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_in_flight(
-    pg_container: Container, control: AsyncConnection
+    pg_container: Container, control: AsyncConnection, table: sa.Table
 ) -> None:
     """Replica A's claim takes its snapshot while seq 1 of key k is a dead letter, so seq 2 is
     the key's head. Before A commits, an operator replays seq 1, and replica B claims: in B's
@@ -112,22 +134,16 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
     while A takes seq 2."""
     clock = FakeClock()
     container = pg_container
-    dead, later = await insert_rows(container, [row("kit.k.v1", clock.now, key="k") for _ in range(2)])
-    async with container.database().session() as session:
-        await session.exec(  # type: ignore[call-overload]
-            OUTBOX_TABLE.update()
-            .where(OUTBOX_TABLE.c.id == dead)
-            .values(dead_lettered_on=clock.now, dead_letter_reason="retries_exhausted", retry_count=3)
-        )
-        await session.commit()
-    replica_a = outbox_source(container, ScriptedDeliverer(), clock, instance_id="replica-a")  # held
-    replica_b = outbox_source(container, ScriptedDeliverer(), clock, instance_id="replica-b")
+    dead, later = await a_dead_head_and_its_successor(container, table, clock.now)
+    name = "outbox" if table is OUTBOX_TABLE else "internal_commands"
+    replica_a = polled_source(container, name, ScriptedDeliverer(), clock, instance_id="replica-a")  # held
+    replica_b = polled_source(container, name, ScriptedDeliverer(), clock, instance_id="replica-b")
 
     await control.execute(sa.text(f"SELECT pg_advisory_lock({HOLD})"))
     claim_a = asyncio.ensure_future(replica_a.claim(uuid.uuid4()))
     await settled(claim_a, control, 1)
     assert not claim_a.done(), "the trigger did not hold replica A's claim"
-    replay = asyncio.ensure_future(container.admin().replay("outbox", [str(dead)], actor="operator"))
+    replay = asyncio.ensure_future(container.admin().replay(name, [str(dead)], actor="operator"))
     await settled(replay, control, 2)
     claim_b = asyncio.ensure_future(replica_b.claim(uuid.uuid4()))
     await settled(claim_b, control, 3)
@@ -136,8 +152,8 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
 
     assert [r.id for r in claimed_a] == [later]
     assert [r.id for r in claimed_b] == [], "replica B took the replayed head while A held seq 2"
-    assert await leased_rows_of_key(container, "k") == [later]
-    assert (await state(container, dead)).dead_lettered_on is None  # the replay went through
+    assert await leased_rows_of_key(container, table, "k", clock.now) == [later]
+    assert (await state(container, dead, table)).dead_lettered_on is None  # the replay went through
 
 
 def stop_after_commit(source: Any, cycle: Callable[[], asyncio.Task[Any]]) -> None:
@@ -171,3 +187,29 @@ async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(conta
         assert (current.retry_count, current.processed_on, current.last_error) == (0, None, None)
     again = await outbox_source(container, ScriptedDeliverer(), clock, batch_size=10).claim(uuid.uuid4())
     assert sorted(r.id for r in again) == sorted(ids)  # claimable again at once, not after the lease
+
+
+async def test_a_stop_during_a_claim_that_hangs_ends_within_the_shutdown_timeout(
+    container: Container,
+) -> None:
+    """The claim is let finish only within the shutdown deadline (a database that stopped
+    answering must not hold the process): the cycle ends, and the rows wait out their lease."""
+    clock = FakeClock()
+    await insert_rows(container, [row("kit.a.v1", clock.now)])
+    source = outbox_source(container, ScriptedDeliverer(), clock, shutdown_timeout_seconds=1.0)
+    claiming = asyncio.Event()
+
+    async def hangs(token: uuid.UUID) -> list[ClaimedRow]:
+        del token
+        claiming.set()
+        await asyncio.sleep(30)  # a claim whose database stopped answering
+        return []
+
+    source.claim = hangs  # type: ignore[method-assign]
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(claiming.wait(), 10)
+    started = asyncio.get_running_loop().time()
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert asyncio.get_running_loop().time() - started < 2.5  # the deadline is 1 s
