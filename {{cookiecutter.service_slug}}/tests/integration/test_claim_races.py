@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -20,9 +21,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
+from {{ cookiecutter.package_name }}.building_blocks.operations.replay import return_to_pending
+from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import EVERY_TENANT
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX, OUTBOX_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
@@ -154,6 +158,31 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
     assert [r.id for r in claimed_b] == [], "replica B took the replayed head while A held seq 2"
     assert await leased_rows_of_key(container, table, "k", clock.now) == [later]
     assert (await state(container, dead, table)).dead_lettered_on is None  # the replay went through
+
+
+@pytest.mark.postgres
+async def test_a_replay_whose_process_froze_holds_the_relay_only_for_the_idle_timeout(
+    postgres_url: str,
+) -> None:
+    """A replay transaction left open (its process frozen after it took the gate) ends after
+    ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``; the claims that waited for it then go on."""
+    container = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 1}))
+    try:
+        clock = FakeClock()
+        dead, _ = await a_dead_head_and_its_successor(container, OUTBOX_TABLE, clock.now)
+        await insert_rows(container, [row("kit.free.v1", clock.now)])
+        frozen = container.database().session()
+        session = await frozen.__aenter__()
+        await return_to_pending(
+            session, OUTBOX, [dead], EVERY_TENANT, gate_idle_timeout_seconds=1
+        )  # ... and the process stops here, its transaction open
+        claim = outbox_source(container, ScriptedDeliverer(), clock).claim(uuid.uuid4())
+        claimed = await asyncio.wait_for(claim, 15)
+        assert [r.name for r in claimed] == ["kit.k.v1", "kit.free.v1"]  # the replay was rolled back
+        with contextlib.suppress(DBAPIError):
+            await frozen.__aexit__(None, None, None)
+    finally:
+        await container.database().dispose()
 
 
 def stop_after_commit(source: Any, cycle: Callable[[], asyncio.Task[Any]]) -> None:

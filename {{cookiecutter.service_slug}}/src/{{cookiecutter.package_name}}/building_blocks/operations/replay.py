@@ -48,16 +48,17 @@ async def return_to_pending(
     wanted: list[uuid.UUID],
     scope: TenantScope,
     *,
-    postgresql: bool,
+    gate_idle_timeout_seconds: float | None,
 ) -> list[str]:
     """Reset the dead letters (retries, lease) and return the ids replayed, sorted.
 
-    On PostgreSQL the table's replay gate is taken first, held until the caller commits: a claim
-    under way when a replayed head appears could otherwise put a second row of its key in flight
-    (``polling.replay_gate``)."""
+    On PostgreSQL (``gate_idle_timeout_seconds`` given) the table's replay gate is taken first,
+    held until the caller commits: a claim under way when a replayed head appears could
+    otherwise put a second row of its key in flight (``polling.replay_gate``)."""
     c = table.table.c
-    if postgresql:
-        await session.exec(replay_gate(table.table))  # type: ignore[call-overload]
+    if gate_idle_timeout_seconds is not None:
+        gate = replay_gate(table.table, idle_timeout_seconds=gate_idle_timeout_seconds)
+        await session.exec(gate)  # type: ignore[call-overload]
     replayed = (
         await session.exec(
             sa.update(table.table)

@@ -39,8 +39,14 @@ def claim_gate(table: sa.Table) -> sa.Select[tuple[object]]:
     return sa.select(sa.func.pg_advisory_xact_lock_shared(first, second))
 
 
-def replay_gate(table: sa.Table) -> sa.Select[tuple[object]]:
+def replay_gate(table: sa.Table, *, idle_timeout_seconds: float) -> sa.Select[tuple[object, object]]:
     """What a replay runs before it changes a row: the gate, exclusive (it waits for the claims
-    under way, and holds new ones until the replay commits)."""
+    under way, and holds new ones until the replay commits). Its transaction is also ended by
+    the server once idle ``idle_timeout_seconds``: a replay whose process froze must not stop
+    the relay of every replica for longer than that."""
     first, second = _gate_keys(table)
-    return sa.select(sa.func.pg_advisory_xact_lock(first, second))
+    idle = f"{max(1, int(idle_timeout_seconds * 1000))}ms"
+    return sa.select(
+        sa.func.set_config("idle_in_transaction_session_timeout", idle, True),  # noqa: FBT003 (SQL's is_local)
+        sa.func.pg_advisory_xact_lock(first, second),
+    )
