@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import uuid
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime
@@ -28,6 +29,7 @@ from {{ cookiecutter.package_name }}.building_blocks.operations.replay import re
 from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import EVERY_TENANT
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX, OUTBOX_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import FakeClock, make_settings
@@ -158,6 +160,68 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
     assert [r.id for r in claimed_b] == [], "replica B took the replayed head while A held seq 2"
     assert await leased_rows_of_key(container, table, "k", clock.now) == [later]
     assert (await state(container, dead, table)).dead_lettered_on is None  # the replay went through
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+async def test_replays_racing_three_claimers_never_put_two_rows_of_a_key_in_flight(
+    pg_container: Container,
+) -> None:
+    """No forced interleaving: three processors drain four keys (each on its own connections)
+    while an operator keeps replaying what they dead-letter. No key may ever have two rows in a
+    delivery at once."""
+    container = pg_container
+    now = container.clock()()
+    keys = [f"k{i}" for i in range(4)]
+    await insert_rows(container, [row("kit.k.v1", now, key=keys[i % len(keys)]) for i in range(400)])
+    flying: dict[str, uuid.UUID] = {}
+    overlaps: list[tuple[str, uuid.UUID, uuid.UUID]] = []
+    rng = random.Random(22)
+    stop = asyncio.Event()
+    counts = {"deliveries": 0, "replays": 0}
+
+    async def deliver(claimed: ClaimedRow) -> Delivered:
+        counts["deliveries"] += 1
+        key = claimed.ordering_key or ""
+        if key in flying:
+            overlaps.append((key, flying[key], claimed.id))
+        flying[key] = claimed.id
+        try:
+            await asyncio.sleep(rng.uniform(0, 0.004))
+            if rng.random() < 0.5:
+                raise ValueError("poison")  # dead-lettered at once (one attempt), replayed below
+            return Delivered.NEEDS_STAMP
+        finally:
+            if flying.get(key) == claimed.id:
+                del flying[key]
+
+    async def work(index: int) -> None:
+        source = outbox_source(
+            container, ScriptedDeliverer(deliver), instance_id=f"w{index}", batch_size=4, max_retries=1
+        )
+        while not stop.is_set():
+            await source.run_cycle()
+
+    async def operator() -> None:
+        dead_letters = (
+            sa.select(OUTBOX_TABLE.c.id).where(OUTBOX_TABLE.c.dead_lettered_on.is_not(None)).limit(4)
+        )
+        while not stop.is_set():
+            async with container.database().session() as session:
+                dead = [r[0] for r in (await session.exec(dead_letters)).all()]  # type: ignore[call-overload]
+            for row_id in dead:
+                await container.admin().replay("outbox", [str(row_id)], actor="operator")
+                counts["replays"] += 1
+            await asyncio.sleep(0.002)
+
+    tasks = [asyncio.ensure_future(work(i)) for i in range(3)] + [asyncio.ensure_future(operator())]
+    await asyncio.sleep(10)
+    stop.set()
+    await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert overlaps == [], f"{len(overlaps)} deliveries overlapped another row of their key"
+    # It did race: about 800 deliveries and 400 replays here.
+    assert counts["deliveries"] > 100, counts
+    assert counts["replays"] > 20, counts
 
 
 @pytest.mark.postgres
