@@ -65,7 +65,13 @@ def command_source(container: Container, clock: FakeClock | None = None, **overr
 
 
 def polled_source(
-    container: Container, name: str, deliverer: Any, clock: FakeClock | None = None, **overrides: Any
+    container: Container,
+    name: str,
+    deliverer: Any,
+    clock: FakeClock | None = None,
+    *,
+    instance_id: str = "processor-a",
+    **overrides: Any,
 ) -> TableSource:
     table, column = (OUTBOX_TABLE, "event_name") if name == "outbox" else (COMMAND_TABLE, "command_name")
     settings = source_settings(container.settings())
@@ -78,7 +84,7 @@ def polled_source(
         database=container.database(),
         deliverer=deliverer,
         clock=clock or container.clock(),
-        instance_id="processor-a",
+        instance_id=instance_id,
         metrics=container.metrics(),
     )
 

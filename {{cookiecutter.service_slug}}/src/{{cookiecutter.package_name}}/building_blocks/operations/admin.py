@@ -86,7 +86,11 @@ class RelayAdministration:
         now = self._clock()
         async with self._db.session() as session:
             await refuse_unless_replayable(session, table, wanted, scope)
-            replayed_ids = await return_to_pending(session, table, wanted, scope)
+            # The replay gate's transaction is bounded like the processors' own (PostgreSQL).
+            idle = self._db.settings.bookkeeping_idle_timeout_seconds if self._db.is_postgresql else None
+            replayed_ids = await return_to_pending(
+                session, table, wanted, scope, gate_idle_timeout_seconds=idle
+            )
             session.add(
                 DeadLetterReplay(
                     source=table.name,

@@ -3,7 +3,9 @@
 A replayed row gets ``retry_count = 0`` and its lease cleared; it keeps ``last_error`` (the first
 thing anyone asks after a replay) and ``occurred_on`` and ``seq`` (its place in its ordering
 key). One unknown id, or one that is not a dead letter, refuses the whole request. The caller
-records who replayed what, in the same transaction.
+records who replayed what, in the same transaction. On PostgreSQL a replay and the claims of its
+table never overlap (``polling.replay_gate``): a replayed head is then never claimed beside a
+later row of its key that a claim under way took.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ..persistence.tables import PolledTable
+from ..polling.replay_gate import replay_gate
 from .requests import AdminError, RowNotFoundError
 from .tenant_scope import TenantScope
 
@@ -40,10 +43,22 @@ async def refuse_unless_replayable(
 
 
 async def return_to_pending(
-    session: AsyncSession, table: PolledTable, wanted: list[uuid.UUID], scope: TenantScope
+    session: AsyncSession,
+    table: PolledTable,
+    wanted: list[uuid.UUID],
+    scope: TenantScope,
+    *,
+    gate_idle_timeout_seconds: float | None,
 ) -> list[str]:
-    """Reset the dead letters (retries, lease) and return the ids replayed, sorted."""
+    """Reset the dead letters (retries, lease) and return the ids replayed, sorted.
+
+    On PostgreSQL (``gate_idle_timeout_seconds`` given) the table's replay gate is taken first,
+    held until the caller commits: a claim under way when a replayed head appears could
+    otherwise put a second row of its key in flight (``polling.replay_gate``)."""
     c = table.table.c
+    if gate_idle_timeout_seconds is not None:
+        gate = replay_gate(table.table, idle_timeout_seconds=gate_idle_timeout_seconds)
+        await session.exec(gate)  # type: ignore[call-overload]
     replayed = (
         await session.exec(
             sa.update(table.table)

@@ -121,10 +121,10 @@ class Database:
 
     @asynccontextmanager
     async def bookkeeping_statement(self) -> AsyncIterator[AsyncConnection]:
-        """One bookkeeping statement that needs no transaction around it (a claim, a renewal, a
-        group of stamps: each is atomic on its own). On PostgreSQL it runs in autocommit, one
-        round trip instead of BEGIN, statement, COMMIT; on SQLite it is ``bookkeeping()``,
-        whose transaction is what serializes the writers there."""
+        """One bookkeeping statement that needs no transaction around it (a renewal, a group of
+        stamps: each is atomic on its own; not the claim, which holds the replay gate). On
+        PostgreSQL it runs in autocommit, one round trip instead of BEGIN, statement, COMMIT; on
+        SQLite it is ``bookkeeping()``, whose transaction is what serializes the writers there."""
         if not self.is_postgresql:
             async with self.bookkeeping() as connection:
                 yield connection

@@ -16,7 +16,9 @@ The shape is a "windowed head claim" (its parts are in ``claim_parts``):
 * a head is not claimable while **another row of its key is in flight** (leased, lease not
   over). Only a replayed dead letter can be a head behind a row already running (the dead letter
   had released its key), and one key must never have two deliveries at once. The check probes a
-  small partial index of leased keyed rows, so it costs one index lookup per head.
+  small partial index of leased keyed rows, so it costs one index lookup per head. The check
+  reads the statement's snapshot, so on PostgreSQL a claim and a replay of the same table never
+  overlap (``replay_gate``).
 * heads are looked for in a bounded **window** of the oldest claimable keyed rows; only when the
   window yields fewer heads than the batch does a loose index scan over the distinct pending keys
   run, so a key with thousands of pending rows cannot fill the batch and starve other keys.
@@ -39,6 +41,7 @@ from sqlmodel.sql.sqltypes import UTCDateTime
 
 from .claim_parts import among, claimable_heads, claimable_keyless, heads_by_key_scan, heads_in_window
 from .claimed import ClaimedRow
+from .replay_gate import claim_gate
 
 
 def build_claim(
@@ -78,12 +81,14 @@ def lease(table: sa.Table, name_column: str, picked: sa.CTE, *, postgresql: bool
 
 
 class Claimer:
-    """Executes the prebuilt claim in its own short transaction."""
+    """Executes the prebuilt claim in its own short transaction (``connection``'s, which the
+    caller commits: on PostgreSQL the claim takes the table's replay gate first, in it)."""
 
     def __init__(
         self, table: sa.Table, name_column: str, *, batch: int, window: int, postgresql: bool = False
     ) -> None:
         self.statement = build_claim(table, name_column, batch=batch, window=window, postgresql=postgresql)
+        self._gate = claim_gate(table) if postgresql else None
 
     async def claim(
         self,
@@ -94,6 +99,10 @@ class Claimer:
         token: uuid.UUID,
         locked_by: str,
     ) -> list[ClaimedRow]:
+        if self._gate is not None:
+            # Before the claim's statement, so its snapshot already shows any replay that held
+            # the gate (``replay_gate``: a snapshot taken earlier can see a wrong key head).
+            await connection.execute(self._gate)
         result = await connection.execute(
             self.statement, {"now": now, "lease_until": lease_until, "token": token, "locked_by": locked_by}
         )

@@ -68,18 +68,21 @@ class LeaseStore:
     async def release(
         self,
         connection: AsyncConnection,
-        ids: Collection[uuid.UUID],
+        ids: Collection[uuid.UUID] | None,
         token: uuid.UUID,
         *,
         error: str | None = None,
         until: datetime | None = None,
     ) -> set[uuid.UUID]:
         """Give rows back without charging a retry (failed in-process attempt, shutdown, open
-        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked)."""
+        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked).
+        ``ids=None`` gives back every row still leased under ``token`` (a claim whose answer
+        may never have arrived)."""
         values: dict[str, object] = {"locked_until": until, "lock_token": None, "locked_by": None}
         if error is not None:
             values["last_error"] = storable(error, MAX_ERROR_LENGTH)
-        statement = sa.update(self.table).where(self._ours(ids, token)).values(**values).returning(self._c.id)
+        ours = self._c.lock_token == token if ids is None else self._ours(ids, token)
+        statement = sa.update(self.table).where(ours).values(**values).returning(self._c.id)
         result = await connection.execute(statement)
         return {row[0] for row in result}
 

@@ -5,8 +5,8 @@ never reached are released at once, beside them (a delivery or write that hangs 
 the time their release needs); halfway to the deadline what still runs is cancelled and its rows
 are released too, claimable again at once. Everything shares one deadline
 (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's wait of the shutdown timeout covers all a
-cycle does. Every release is token-guarded: a row
-whose outcome was written no longer matches.
+cycle does. A stop during the claim itself gives back the whole batch (``claim``). Every
+release is token-guarded: a row whose outcome was written no longer matches.
 """
 
 from __future__ import annotations
@@ -80,10 +80,39 @@ class CycleShutdown:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.release([row for row in rows if row.id in started], token)
 
+    async def claim(self, claim: Awaitable[list[ClaimedRow]], token: uuid.UUID) -> list[ClaimedRow]:
+        """Run the cycle's claim; if a cancellation interrupts it, give back what it leased.
+
+        The claim commits on its own, so a stop that lands after the server committed it (its
+        answer on the way back, its connection returning to the pool) would leave the whole
+        batch leased for a lease under a token nobody holds. The claim is let finish within half
+        the deadline (it may be committing), then every row still under its token is released,
+        uncharged: by token, since a claim cut short may have committed unheard.
+        """
+        task = asyncio.ensure_future(claim)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            remaining = max(0.0, self.deadline() - asyncio.get_running_loop().time())
+            await asyncio.wait([task], timeout=remaining / 2)
+            task.cancel()  # no-op once it is done
+            task.add_done_callback(_observed)
+            await self._release(None, token)
+            raise
+
     async def release(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> None:
-        if not rows:
-            return
+        if rows:
+            await self._release([row.id for row in rows], token)
+
+    async def _release(self, ids: Collection[uuid.UUID] | None, token: uuid.UUID) -> None:
+        """Best effort within the deadline: rows not released wait out their lease."""
         with suppress(Exception):
             async with asyncio.timeout_at(self.deadline()):
                 async with self._db.bookkeeping() as connection:
-                    await self._leases.release(connection, [row.id for row in rows], token)
+                    await self._leases.release(connection, ids, token)
+
+
+def _observed(task: asyncio.Future[list[ClaimedRow]]) -> None:
+    """The cycle is ending either way: an error of its interrupted claim is not one to report."""
+    if not task.cancelled():
+        task.exception()

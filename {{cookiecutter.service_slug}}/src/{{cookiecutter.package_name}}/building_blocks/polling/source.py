@@ -100,7 +100,9 @@ class TableSource:
         now = self._clock()
         self._last_claim_at = now
         lease_until = now + timedelta(seconds=self.settings.lease_seconds)
-        async with self._db.bookkeeping_statement() as connection:
+        # A transaction of its own, not one autocommitted statement: on PostgreSQL the claim
+        # holds its table's replay gate through its statement (``replay_gate``).
+        async with self._db.bookkeeping() as connection:
             rows = await self._claimer.claim(
                 connection, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
             )
@@ -118,7 +120,8 @@ class TableSource:
         one row's database error must not leave its batch-mates running unobserved.
         """
         token = uuid.uuid4()
-        rows = await self.claim(token)
+        self._shutdown = self._new_shutdown()
+        rows = await self._shutdown.claim(self.claim(token), token)  # a stop here releases them
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
         # Handlers each hold a database session: no more at once than the pool has connections.
         handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
@@ -130,7 +133,6 @@ class TableSource:
                 started.add(row.id)
                 return await self._process(row, token, slot)
 
-        self._shutdown = self._new_shutdown()
         tasks = [asyncio.ensure_future(process(row)) for row in rows]
         if tasks:
             try:
