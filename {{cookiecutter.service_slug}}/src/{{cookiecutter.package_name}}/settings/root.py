@@ -82,6 +82,19 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _refuse_a_publish_limit_longer_than_a_delivery(self) -> Self:
+        """A publish is one part of a delivery: a longer publish limit would never apply (the
+        delivery's limit cuts the publish first) and would only mislead whoever set it."""
+        publish, delivery = self.message_bus.publish_timeout_seconds, self.outbox.delivery_timeout_seconds
+        if publish > delivery:
+            msg = (
+                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must not exceed "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
     def _refuse_unsafe_combinations(self) -> Self:
         bus = self.message_bus
         if bus.is_broker and bus.enable_outbox is False:
