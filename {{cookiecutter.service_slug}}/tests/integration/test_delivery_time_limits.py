@@ -15,6 +15,7 @@ import pytest
 import sqlalchemy as sa
 
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
     OUTBOX_TABLE,
 )
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
@@ -28,7 +29,7 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import Counter, Counters, Noted, install_kit, record_effect
+from ..kit import Counter, Counters, Noted, RecordEffect, install_kit, record_effect
 from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row
 
 pytestmark = pytest.mark.integration
@@ -111,6 +112,47 @@ async def test_a_local_handler_that_never_returns_holds_only_its_own_row(
     finally:
         for container in containers:
             await asyncio.wait_for(container.worker().stop(), 30)
+
+
+async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
+    make_container: ContainerFactory,
+) -> None:
+    """The internal-command processor shares the core, and so the limit: a command whose handler
+    hangs is charged per limit and dead-lettered; a command scheduled after it runs."""
+    settings = {**LIMITED, "max_retries": 2, "retry_backoff_base_seconds": 0.2}
+    container = make_container(outbox=settings, message_bus=PUBLISH)
+    await install_kit(container)
+    hung: list[str] = []
+
+    async def run(command: RecordEffect, uow: SqlUnitOfWork) -> None:
+        if command.label == HANG:
+            hung.append(command.label)
+            await asyncio.Event().wait()
+        await record_effect(uow, command.label)
+
+    container.handlers().on_command(RecordEffect, run)
+    await container.worker().start()
+    try:
+        for label in (HANG, "after"):
+            with acting_as():
+                async with container.units_of_work()() as uow:
+                    uow.schedule(RecordEffect(label=label))
+                    await uow.commit()
+            if label == HANG:
+                await eventually(lambda: hung != [])
+
+        async def finished() -> bool:
+            rows = await fetch(container, sa.select(COMMAND_TABLE))
+            return len(rows) == 2 and all(r.processed_on or r.dead_lettered_on for r in rows)
+
+        await until(finished)
+        rows = {r.payload["label"]: r for r in await fetch(container, sa.select(COMMAND_TABLE))}
+        assert rows["after"].processed_on is not None
+        assert (rows[HANG].dead_letter_reason, rows[HANG].retry_count) == ("retries_exhausted", 2)
+        assert "delivery timed out after 1 s" in rows[HANG].last_error
+        assert await _effects(container) == ["after"]
+    finally:
+        await asyncio.wait_for(container.worker().stop(), 30)
 
 
 async def _effects(container: Container) -> list[str]:
