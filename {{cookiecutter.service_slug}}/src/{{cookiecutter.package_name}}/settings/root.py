@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     @property
     def liveness_timeout_seconds(self) -> float:
         """How long a processor loop may go without a turn before ``/livez`` fails: a cycle is
-        bounded by the lease (a handler that outlives it loses its row anyway), and between
+        bounded by its deliveries' time limit (below the lease), and between
         cycles a loop sleeps at most its idle interval; three of those leave room for a slow
         database without restarting a worker that is merely busy."""
         outbox = self.outbox
