@@ -50,6 +50,7 @@ from {{ cookiecutter.package_name }}.entrypoints import (
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )
+from {{ cookiecutter.package_name }}.settings.relay import LEASE_MARGIN_FRACTION
 
 for _name in list(os.environ):
     if re.match(
@@ -246,6 +247,12 @@ def make_settings(database_url: str, **sections: dict[str, Any]) -> Settings:
     for section, overrides in sections.items():
         values[section] = {**values.get(section, {}), **overrides}
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
+
+
+def longest_delivery(lease_seconds: float) -> float:
+    """The longest delivery time limit a lease admits (OUTBOX__DELIVERY_TIMEOUT_SECONDS): for
+    tests that shorten the lease; give the publish limit no more than this either."""
+    return lease_seconds * (1 - LEASE_MARGIN_FRACTION)
 
 
 ContainerFactory = Callable[..., Container]

@@ -81,6 +81,7 @@ class Observer:
     failures_left: int = 0
     seen: list[dict[str, Any]] = field(default_factory=list)
     takes_seconds: float = 0.0
+    hangs_on: set[int] = field(default_factory=set)  # values whose handling never returns
 
     async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         context = current_context()
@@ -100,6 +101,8 @@ class Observer:
             self.failures_left -= 1
             msg = f"observer failure, {self.failures_left} left"
             raise RuntimeError(msg)
+        if event.value in self.hangs_on:
+            await asyncio.Event().wait()  # never set
         await asyncio.sleep(self.takes_seconds)
         await record_effect(uow, f"consumed:{event.value}")
 
@@ -121,6 +124,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         signing: dict[str, str] | None = None,
         database_url: str | None = None,
         tracing: Tracing | None = None,
+        message_bus: dict[str, Any] | None = None,
     ) -> tuple[Container, Observer]:
         home = tmp_path / f"service-{len(running)}"
         home.mkdir()
@@ -133,6 +137,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 0.3,
                 **({"signing_keys": signing, "signing_key_id": next(iter(signing))} if signing else {}),
+                **(message_bus or {}),
             },
             outbox={"polling_interval_seconds": 0.2},
         )
@@ -379,6 +384,32 @@ async def test_a_failing_handler_is_redelivered_then_dead_lettered(start: Start,
         "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "handler_failed"}
     )
     assert counted == 1.0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_handler_that_never_returns_is_timed_out_redelivered_then_dead_lettered(
+    start: Start, transport: str
+) -> None:
+    """``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``: a handler that hangs on one message is a failed
+    attempt once the limit ends; the consumer goes on with the next message (on Kafka, the next
+    one of the same partition) and the hung one ends as a dead letter with the reason."""
+    container, observer = await start(transport, message_bus={"handler_timeout_seconds": 1})
+    observer.hangs_on = {1}
+    hung = envelope(1)
+    await container.bus().publish(hung)
+    await eventually(lambda: len(observer.seen) == 1)
+    await container.bus().publish(envelope(2))
+    await effects_become(container, ["consumed:2"], timeout=30)
+    await eventually(lambda: [seen["value"] for seen in observer.seen].count(1) == 3, timeout=30)
+    letters: list[Any] = []
+    deadline = time.monotonic() + 20
+    while not letters and time.monotonic() < deadline:
+        letters = await container.bus().dead_letters(CONSUMER)
+        await asyncio.sleep(0.2)
+    assert [letter.headers["x-message-id"] for letter in letters] == [hung.message_id]
+    assert "handler timed out after 1 s" in letters[0].error
+    assert letters[0].headers["x-attempts"] == "3"
+    assert await effects_of(container) == ["consumed:2"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

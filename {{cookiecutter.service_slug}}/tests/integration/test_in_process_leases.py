@@ -51,11 +51,12 @@ async def outbox(container: Container) -> list[Any]:
 async def test_a_row_another_replica_took_during_an_earlier_handler_is_not_delivered(
     make_container: ContainerFactory,
 ) -> None:
-    """Two rows of one commit, a 1 s lease, and a first handler that runs past it: a replica
+    """Two rows of one commit, a 15 s lease, and a first handler that runs past it (on the fake
+    clock: its 10 s time limit is real time): a replica
     claims both rows meanwhile. The committing process must not run the second row's handler
     (its effects outside the database would happen twice): its renewal finds the row gone."""
     clock = FakeClock()
-    container = make_container(outbox={"lease_seconds": 1})
+    container = make_container(outbox={"lease_seconds": 15, "delivery_timeout_seconds": 10})
     container.clock.override(providers.Object(clock))
     kit = await install_kit(container)
     replica = uuid.uuid4()
@@ -65,7 +66,7 @@ async def test_a_row_another_replica_took_during_an_earlier_handler_is_not_deliv
         ran.append(event.text)
         if event.text != "first":
             return
-        clock.advance(6)  # the handler outlives the lease and the processing delay
+        clock.advance(16)  # the handler outlives the lease and the processing delay
 
         async def replica_claims() -> None:
             claimer = Claimer(OUTBOX_TABLE, "event_name", batch=10, window=80)
@@ -99,7 +100,7 @@ async def test_a_row_is_renewed_just_before_its_in_process_delivery(make_contain
     """Each row's lease is pushed to now + lease right before its handlers run, so a row that
     waited behind a slow earlier row still has a whole lease for its own delivery."""
     clock = FakeClock()
-    container = make_container(outbox={"lease_seconds": 60})
+    container = make_container(outbox={"lease_seconds": 60, "delivery_timeout_seconds": 45})
     container.clock.override(providers.Object(clock))
     kit = await install_kit(container)
     leases: dict[str, Any] = {}

@@ -46,11 +46,15 @@ async def take_over(container: Container, row_id: uuid.UUID) -> None:
         await session.commit()
 
 
-async def test_a_publish_renews_only_once_half_its_lease_is_gone(container: Container) -> None:
+async def test_a_publish_renews_only_when_its_lease_might_not_outlast_its_time_limit(
+    container: Container,
+) -> None:
+    """A 60 s lease and a 20 s delivery time limit with its 12 s margin: renewed below 32 s."""
     clock = FakeClock()
     young_id, old_id, lost_id = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
     deliverer = ScriptedDeliverer(fresh_lease=False)
-    source = outbox_source(container, deliverer, clock, lease_seconds=60)
+    limits = {"lease_seconds": 60, "delivery_timeout_seconds": 20, "renew_below_seconds": 32}
+    source = outbox_source(container, deliverer, clock, **limits)
     (young, old, lost), token = await claim_all(source)
     claimed_until = (await state(container, young_id)).locked_until
 
@@ -59,7 +63,7 @@ async def test_a_publish_renews_only_once_half_its_lease_is_gone(container: Cont
     assert (await state(container, young_id)).processed_on is not None
     assert deliverer.delivered[-1].locked_until == claimed_until
 
-    clock.advance(15)  # 25 s left, under half: renewed to a whole lease before the publish
+    clock.advance(15)  # 25 s left, under 32: renewed to a whole lease before the publish
     assert await source._process(old, token)
     assert (await state(container, old_id)).processed_on is not None
 

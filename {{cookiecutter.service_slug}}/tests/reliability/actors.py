@@ -52,7 +52,7 @@ from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work i
 from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
-from ..conftest import SERVICE_URLS, make_settings
+from ..conftest import SERVICE_URLS, longest_delivery, make_settings
 from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
 
 
@@ -108,8 +108,10 @@ async def processor(args: argparse.Namespace) -> None:
         make_settings(
             args.db,
             application={"namespace": args.namespace, "instance_id": args.name},
+            message_bus={"publish_timeout_seconds": min(10.0, longest_delivery(args.lease))},
             outbox={
                 "lease_seconds": args.lease,
+                "delivery_timeout_seconds": longest_delivery(args.lease),
                 "max_retries": args.max_retries,
                 "retry_backoff_base_seconds": 0.05,
                 "batch_size": args.batch,

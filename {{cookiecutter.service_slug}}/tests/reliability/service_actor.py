@@ -49,7 +49,7 @@ from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work i
 from {{ cookiecutter.package_name }}.container import Container, build_container
 from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
 
-from ..conftest import make_settings
+from ..conftest import longest_delivery, make_settings
 from ..integration.test_brokers import CONSUMER
 from ..kit import DELIVERIES, RECEIVED, Counter, CounterChangedV1, Counters, Noted, install_kit
 
@@ -128,9 +128,11 @@ def build(args: argparse.Namespace) -> Container:
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 1.0,
                 "circuit_reset_seconds": 1.0,
+                "publish_timeout_seconds": min(10.0, longest_delivery(args.lease)),
             },
             outbox={
                 "lease_seconds": args.lease,
+                "delivery_timeout_seconds": longest_delivery(args.lease),
                 "batch_size": args.batch,
                 "max_retries": args.max_retries,
                 "retry_backoff_base_seconds": args.backoff,

@@ -172,7 +172,7 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import FakeClock, make_settings
+from ..conftest import FakeClock, longest_delivery, make_settings
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
 T = TypeVar("T")
@@ -397,6 +397,7 @@ def open_world(database_url: str) -> Iterator[World]:
     clock = FakeClock()
     outbox = {
         "lease_seconds": LEASE_SECONDS,
+        "delivery_timeout_seconds": longest_delivery(LEASE_SECONDS),
         "max_retries": MAX_RETRIES,
         "retry_backoff_base_seconds": BACKOFF_BASE_SECONDS,
         "batch_size": BATCH_SIZE,

@@ -48,6 +48,35 @@ def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
         settings(message_bus={"transport": "kafka", "enable_outbox": False})
 
 
+@pytest.mark.parametrize(
+    ("outbox", "bus", "message"),
+    [
+        # The limit and its margin (a fifth of the lease) must fit inside the lease.
+        ({"lease_seconds": 15, "delivery_timeout_seconds": 12.5}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),
+        ({"lease_seconds": 60}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),  # the default limit, 60 s
+        # A publish is one part of a delivery: its own limit cannot be longer.
+        ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 10}, "PUBLISH_TIMEOUT_SECONDS"),
+    ],
+)
+def test_time_limits_that_do_not_fit_inside_the_lease_are_refused(
+    outbox: dict[str, float], bus: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValidationError, match=message) as refused:
+        settings(outbox=outbox, message_bus=bus)
+    (error,) = refused.value.errors()
+    assert "\n" not in error["msg"]
+
+
+def test_time_limits_inside_the_lease_are_accepted() -> None:
+    fits = settings(
+        outbox={"lease_seconds": 15, "delivery_timeout_seconds": 12},
+        message_bus={"publish_timeout_seconds": 10, "handler_timeout_seconds": 30},
+    )
+    assert (fits.outbox.delivery_timeout_seconds, fits.message_bus.handler_timeout_seconds) == (12, 30)
+    with pytest.raises(ValidationError):
+        settings(message_bus={"handler_timeout_seconds": 0})
+
+
 # What production needs from AUTH__ (RFC 7518 3.2: an HS256 key of at least 256 bits).
 PRODUCTION_AUTH = {
     "jwt_secret": "s" * 40,

@@ -43,6 +43,9 @@ class MessageBusSettings(BaseModel):
     database_outage_hold_seconds: float = Field(default=60.0, ge=0)
     max_header_bytes: int = Field(default=4096, ge=256)
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
+    handler_timeout_seconds: float = Field(
+        default=60.0, gt=0, description="Time limit of one consumer handler run; past it, a failed attempt"
+    )
     circuit_failure_threshold: int = Field(default=5, ge=1)
     circuit_reset_seconds: float = Field(default=30.0, gt=0)
     kafka_create_topics: bool = True

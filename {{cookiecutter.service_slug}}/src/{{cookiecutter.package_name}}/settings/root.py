@@ -59,7 +59,7 @@ class Settings(BaseSettings):
     @property
     def liveness_timeout_seconds(self) -> float:
         """How long a processor loop may go without a turn before ``/livez`` fails: a cycle is
-        bounded by the lease (a handler that outlives it loses its row anyway), and between
+        bounded by its deliveries' time limit (below the lease), and between
         cycles a loop sleeps at most its idle interval; three of those leave room for a slow
         database without restarting a worker that is merely busy."""
         outbox = self.outbox
@@ -77,6 +77,19 @@ class Settings(BaseSettings):
                 f"WORKER__LIVENESS_TIMEOUT_SECONDS ({timeout:g}) must be longer than the longest sleep "
                 f"of a processor loop ({longest_sleep:g} s: OUTBOX__IDLE_POLLING_INTERVAL_SECONDS and "
                 "OUTBOX__POLLING_INTERVAL_SECONDS)"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_a_publish_limit_longer_than_a_delivery(self) -> Self:
+        """A publish is one part of a delivery: a longer publish limit would never apply (the
+        delivery's limit cuts the publish first) and would only mislead whoever set it."""
+        publish, delivery = self.message_bus.publish_timeout_seconds, self.outbox.delivery_timeout_seconds
+        if publish > delivery:
+            msg = (
+                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must not exceed "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery"
             )
             raise ValueError(msg)
         return self

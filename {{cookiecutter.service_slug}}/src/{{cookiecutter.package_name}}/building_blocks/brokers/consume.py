@@ -6,7 +6,8 @@ handler runs):
 * a message that cannot be trusted or read (bad/missing signature, malformed or oversized header,
   unknown event) is dead-lettered with the reason at once and never retried;
 * a duplicate is acknowledged and skipped (the inbox said so);
-* a handler failure is retried by the broker (the transport's retry step, with a delay) until
+* a handler failure (a run past ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` is one, see ``holding``)
+  is retried by the broker (the transport's retry step, with a delay) until
   ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
   destination with ``x-error`` and ``x-attempts`` and acknowledged: never lost, never looping;
 * a failure because the database is unreachable is not the message's fault: the message is held
@@ -85,6 +86,7 @@ class ConsumeWrapper:
                     self._settings.database_outage_hold_seconds,
                     consumer,
                     delivery,
+                    handler_timeout_seconds=self._settings.handler_timeout_seconds,
                 )
         except RejectedMessageError as rejected:
             await self._dead_letter_rejected(consumer, delivery, rejected, attempt)

@@ -21,6 +21,7 @@ from typing import Any
 from ..application.handler_types import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
+from ..kernel.time_limits import time_limit
 from ..persistence.outages import is_database_outage
 from .transports.ports import Delivery
 
@@ -71,6 +72,8 @@ async def consume_through_database_outages(
     hold_seconds: float,
     consumer: Consumer[Any],
     delivery: Delivery,
+    *,
+    handler_timeout_seconds: float,
 ) -> None:
     """Run the pipeline; while the database is unreachable, hold the message and run it again.
 
@@ -78,12 +81,18 @@ async def consume_through_database_outages(
     dead-letter every message in flight during a failover. The message is held (kept alive
     at the broker) with a capped backoff for up to ``DATABASE_OUTAGE_HOLD_SECONDS``; a longer
     outage falls through to the normal, charged redelivery. Each run rolls back in full, so
-    running again is exactly a redelivery."""
+    running again is exactly a redelivery.
+
+    Each run is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``: a handler past it is
+    cancelled (its unit of work rolls back) and the run fails with ``TimeLimitExceededError``, a
+    handler failure like any other (redelivered, then dead-lettered), so one message that hangs
+    cannot stop its consumer (or, on Kafka, its partition). A hold between runs is not counted."""
     deadline = time.monotonic() + hold_seconds
     pause = OUTAGE_FIRST_PAUSE_SECONDS
     while True:
         try:
-            await pipeline.consume(consumer, delivery.headers, delivery.body)
+            async with time_limit(handler_timeout_seconds, "handler"):
+                await pipeline.consume(consumer, delivery.headers, delivery.body)
         except Exception as error:
             if not is_database_outage(error) or time.monotonic() + pause > deadline:
                 raise

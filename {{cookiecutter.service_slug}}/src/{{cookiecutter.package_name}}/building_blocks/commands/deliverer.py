@@ -42,7 +42,7 @@ class CommandDeliverer:
         self._store = LeaseStore(COMMAND_TABLE)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
-        """A command's handler runs for as long as it takes: always a whole lease first."""
+        """A command's handler holds a database session: always a whole lease first."""
         del row
         return True
 

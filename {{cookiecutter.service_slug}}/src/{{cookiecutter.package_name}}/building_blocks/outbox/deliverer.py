@@ -53,7 +53,8 @@ class OutboxDeliverer:
         self._warned: set[str] = set()
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
-        """Local handlers run for as long as they take; a publish is bounded by its timeout."""
+        """Local handlers get a whole lease first (and hold a database session); a publish renews
+        only when its lease might not outlast the delivery's time limit."""
         return row.kind == DOMAIN
 
     def span_kind(self, row: ClaimedRow) -> SpanKind:

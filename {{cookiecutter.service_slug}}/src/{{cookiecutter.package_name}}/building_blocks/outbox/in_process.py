@@ -10,6 +10,8 @@ under only keeps other replicas away while it lasts, and an earlier row's handle
 it; so each row's lease is renewed under its token just before its handlers run, and a row whose
 token is gone (a replica claimed it meanwhile) is skipped: its new owner delivers it.
 
+Each dispatch runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS`` (after the renewal, so the lease
+outlasts it); one past its limit is cancelled and counts as a failed delivery.
 A failed delivery releases the row's lease under its token, so the processor retries it once the
 processing delay has passed (``row_leases``: with a NOTIFY, best effort); later rows of the same
 ordering key are released untouched so they are not delivered before it. A keyed row that still
@@ -24,12 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING
 
 from ..application.handler_types import handler_name
 from ..application.handlers import HandlerRegistry
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
+from ..kernel.time_limits import time_limit
 from ..persistence.handler_scope import handler_scope
 from ..polling.leases import LeaseLostError
 from ..unit_of_work.factory import UnitOfWorkFactory
@@ -60,6 +64,7 @@ class LocalDispatcher:
         units: Callable[[], UnitOfWorkFactory],
         max_cascade_depth: int,
         lease_seconds: float,
+        delivery_timeout_seconds: float,
         notify_channel: str,
         shutdown_timeout_seconds: float,
         publish_direct: DirectPublish | None = None,
@@ -68,6 +73,7 @@ class LocalDispatcher:
         self._handlers = handlers
         self._metrics = metrics
         self._max_depth = max_cascade_depth
+        self._delivery_timeout = delivery_timeout_seconds
         self._units = units
         self._leases = InProcessRowLeases(
             units=units,
@@ -92,6 +98,12 @@ class LocalDispatcher:
             if row_id is not None and token is not None:
                 uow.stamp_processed_on_commit(self._leases.store, row_id, token)
             await uow.commit()
+
+    def _time_limit(self) -> AbstractAsyncContextManager[None]:
+        """The dispatches this dispatcher starts itself get the delivery's time limit (the
+        processor puts its own around ``deliver``): a handler that never returns must not hold
+        the commit that wrote its row, nor the request behind it."""
+        return time_limit(self._delivery_timeout, "delivery")
 
     async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
         """Deliver the leased rows a commit just wrote (never raises but on shutdown: the commit
@@ -130,7 +142,8 @@ class LocalDispatcher:
                 await self._leases.release([row], None)
                 return
             await self._leases.renew(row)
-            await self.deliver(row.message, row_id=row.id, token=row.lock_token, depth=depth + 1)
+            async with self._time_limit():
+                await self.deliver(row.message, row_id=row.id, token=row.lock_token, depth=depth + 1)
         except LeaseLostError:
             if key is not None:
                 blocked_keys.add(key)
@@ -164,7 +177,8 @@ class LocalDispatcher:
                 log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)
                 continue
             try:
-                await self.deliver(event, row_id=None, token=None, depth=depth + 1)
+                async with self._time_limit():
+                    await self.deliver(event, row_id=None, token=None, depth=depth + 1)
             except Exception:
                 log.exception("direct dispatch of %s failed (outbox disabled)", event.message_name)
         for integration_event in integration_events:

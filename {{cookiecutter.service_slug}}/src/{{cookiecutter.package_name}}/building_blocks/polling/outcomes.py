@@ -58,9 +58,10 @@ class Outcomes:
         self.stamps = StampGroups(database=database, leases=leases, clock=clock)
 
     def lease_is_short(self, row: ClaimedRow) -> bool:
-        """Less than half of the lease is left (by this process's clock): time to renew."""
+        """What is left of the lease (by this process's clock) might not outlast a delivery
+        that runs to its time limit: time to renew."""
         left = (row.locked_until - self._clock()).total_seconds()
-        return left < self._settings.lease_seconds / 2
+        return left < self._settings.renew_below_seconds
 
     async def renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         """Push the lease to now + lease just before delivery; False when no longer ours."""

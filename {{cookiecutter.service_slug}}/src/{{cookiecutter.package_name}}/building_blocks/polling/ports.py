@@ -24,8 +24,8 @@ class Deliverer(Protocol):
         ...
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
-        """True when delivering ``row`` runs handlers, whose time is unbounded: the row then gets
-        a whole lease just before (False for a publish, bounded by its timeout)."""
+        """True when delivering ``row`` runs handlers (they hold a database session, and get a
+        whole lease just before); False for a publish, renewed only when its lease is short."""
         ...
 
     def span_kind(self, row: ClaimedRow) -> SpanKind:
@@ -69,6 +69,11 @@ class SourceSettings:
     delivery_concurrency: int
     claim_window: int
     lease_seconds: float
+    # A delivery running longer is cancelled and charged as a failure (``kernel.time_limits``).
+    delivery_timeout_seconds: float
+    # A delivery starting with less lease left renews it first (the limit plus a margin): no
+    # delivery can outlive its lease, so no replica claims a row another is still delivering.
+    renew_below_seconds: float
     max_retries: int
     retry_backoff_base_seconds: float
     shutdown_timeout_seconds: float

@@ -1,7 +1,9 @@
 """One table drained by one processor: claim a batch, then renew -> deliver -> record per row.
 
-(The renewal is skipped for a publish while the claim's lease is still young, and the stamps of
-rows that finish together share one statement: see ``_needs_renewal`` and ``stamps``.)
+(The renewal is skipped for a publish while the claim's lease outlasts the delivery's time
+limit, and the stamps of rows that finish together share one statement: see ``_needs_renewal``
+and ``stamps``.) Every delivery runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never
+returns is cancelled and charged like any failure, so it holds its own row only, never the cycle.
 
 This is the per-row half of the shared polling core; what "deliver" means is the only thing
 the outbox and the internal-command processors do differently (a ``Deliverer``). Each row's
@@ -23,6 +25,7 @@ import sqlalchemy as sa
 
 from ..kernel.clock import Clock
 from ..kernel.no_tracing import NoTracing
+from ..kernel.time_limits import time_limit
 from ..kernel.tracing import AttributeValue, Span, Tracing
 from ..persistence.database import Database
 from ..persistence.outages import is_database_outage
@@ -187,11 +190,12 @@ class TableSource:
             return await self._deliver(traced, token, span, slot)
 
     def _needs_renewal(self, row: ClaimedRow) -> bool:
-        """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal: a
-        long handler must not outlive its lease). A publish is bounded by its timeout, far below
-        the lease, so it renews only once half of the claim's lease is gone (a slow batch, or a
-        process that was frozen: the renewal is then what finds the lease lost). That saves a
-        transaction per published row; the stamp stays token-guarded either way."""
+        """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal). A
+        publish renews only when the lease left might not outlast the delivery's time limit plus
+        the margin (a slow batch, or a process that was frozen: the renewal is then what finds
+        the lease lost). That saves a transaction per published row while the claim is young;
+        and as every delivery ends by its limit, none outlives its lease: no replica can claim
+        a row while it is in flight here. The stamp stays token-guarded either way."""
         return self._deliverer.needs_fresh_lease(row) or self.outcomes.lease_is_short(row)
 
     async def _deliver(
@@ -199,7 +203,8 @@ class TableSource:
     ) -> bool:
         write = self._shutdown.write
         try:
-            delivered = await self._deliverer.deliver(row, token)
+            async with time_limit(self.settings.delivery_timeout_seconds, "delivery"):
+                delivered = await self._deliverer.deliver(row, token)
         except LeaseLostError:
             self.outcomes.lost(row, "while its handlers ran (their effects were rolled back)")
             return False

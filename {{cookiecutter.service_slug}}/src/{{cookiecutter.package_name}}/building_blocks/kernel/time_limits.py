@@ -1,0 +1,37 @@
+"""The time limit of one delivery (a processor's row, an after-commit dispatch, a consumer's
+handler run).
+
+Without one, a handler that never returns holds its row or message for ever, and with it the
+cycle, the partition or the consumer that waits for it. Past the limit the work is cancelled and
+fails with :class:`TimeLimitExceededError`: a failure like any other, charged, retried with
+backoff and dead-lettered at the attempt limit, its text ("delivery timed out after 60 s") in
+``last_error`` or ``x-error``. One ``asyncio.timeout`` per delivery: no extra task.
+
+A limit only helps where the work yields: a handler that blocks the event loop (CPU, a
+synchronous call) cannot be interrupted by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+
+class TimeLimitExceededError(TimeoutError):
+    """The work ran past its time limit and was cancelled."""
+
+
+@asynccontextmanager
+async def time_limit(seconds: float, what: str) -> AsyncIterator[None]:
+    """Cancel the block after ``seconds`` and raise :class:`TimeLimitExceededError` naming
+    ``what``; a ``TimeoutError`` the block raised itself (a publish timeout) passes unchanged."""
+    limit = asyncio.timeout(seconds)
+    try:
+        async with limit:
+            yield
+    except TimeoutError as error:
+        if not limit.expired():
+            raise
+        msg = f"{what} timed out after {seconds:g} s"
+        raise TimeLimitExceededError(msg) from error

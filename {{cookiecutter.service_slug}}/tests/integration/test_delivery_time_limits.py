@@ -1,0 +1,235 @@
+"""Every delivery has a time limit (``OUTBOX__DELIVERY_TIMEOUT_SECONDS``), and the lease is
+renewed whenever what is left of it might not outlast one: a handler that never returns holds
+only its own row (charged, then dead-lettered), and no replica ever starts a row another one is
+still delivering. The consumer side's limit is in test_brokers.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import Counter as Tally
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+    SqlUnitOfWork,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
+
+from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
+from ..kit import Counter, Counters, Noted, RecordEffect, install_kit, record_effect
+from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row
+
+pytestmark = pytest.mark.integration
+HANG = "hang"
+# A one-second limit; the lease leaves room for it and its margin, and a publish cannot be longer.
+LIMITED = {"delivery_timeout_seconds": 1, "lease_seconds": 10, "processing_delay_seconds": 0}
+PUBLISH = {"publish_timeout_seconds": 1}
+
+
+class HangsOnce:
+    """A local handler that never returns for the note ``hang``; other notes record an effect."""
+
+    def __init__(self) -> None:
+        self.hung = 0
+
+    async def __call__(self, event: Noted, uow: SqlUnitOfWork) -> None:
+        if event.text == HANG:
+            self.hung += 1
+            await asyncio.Event().wait()  # never set: the handler never returns
+        await record_effect(uow, f"noted:{event.text}")
+
+
+async def note(container: Container, *texts: str) -> None:
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            counter = Counter.create("acme")
+            for text in texts:
+                counter.note(text)
+            uow.repository(Counters).add(counter)
+            await uow.commit()
+
+
+async def noted_rows(container: Container) -> dict[str, Any]:
+    rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.event_name == "kit.noted.v1"))
+    return {r.payload["text"]: r for r in rows}
+
+
+async def until(check: Any, timeout: float = 30.0) -> None:
+    """Poll an async check until it holds (``eventually`` takes a plain one)."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, "not reached in time"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_local_handler_that_never_returns_holds_only_its_own_row(
+    make_container: ContainerFactory, database_url: str
+) -> None:
+    """The processor (two replicas on PostgreSQL) keeps delivering unrelated rows while one
+    handler hangs; the hung row is charged a retry per time limit and dead-lettered."""
+    replicas = 2 if database_url.startswith("postgresql") else 1
+    settings = {**LIMITED, "immediate_dispatch": False, "max_retries": 2, "retry_backoff_base_seconds": 0.2}
+    containers = [make_container(outbox=settings, message_bus=PUBLISH) for _ in range(replicas)]
+    handler = HangsOnce()
+    for index, container in enumerate(containers):
+        await install_kit(container, create_tables=index == 0)
+        container.handlers().on_domain_event(Noted, handler)
+    first = containers[0]
+    for container in containers:
+        await container.worker().start()
+    try:
+        await note(first, HANG)
+        await eventually(lambda: handler.hung >= 1)
+        await note(first, "one", "two")  # unrelated rows, committed while the handler hangs
+
+        async def delivered() -> bool:
+            rows = await noted_rows(first)
+            return all(rows[text].processed_on is not None for text in ("one", "two"))
+
+        await until(delivered, timeout=20)
+
+        async def dead_lettered() -> bool:
+            return (await noted_rows(first))[HANG].dead_lettered_on is not None
+
+        await until(dead_lettered, timeout=30)
+        hung = (await noted_rows(first))[HANG]
+        assert (hung.dead_letter_reason, hung.retry_count) == ("retries_exhausted", 2)
+        assert "delivery timed out after 1 s" in hung.last_error
+        assert sorted(await _effects(first)) == ["noted:one", "noted:two"]
+    finally:
+        for container in containers:
+            await asyncio.wait_for(container.worker().stop(), 30)
+
+
+async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
+    make_container: ContainerFactory,
+) -> None:
+    """The internal-command processor shares the core, and so the limit: a command whose handler
+    hangs is charged per limit and dead-lettered; a command scheduled after it runs."""
+    settings = {**LIMITED, "max_retries": 2, "retry_backoff_base_seconds": 0.2}
+    container = make_container(outbox=settings, message_bus=PUBLISH)
+    await install_kit(container)
+    hung: list[str] = []
+
+    async def run(command: RecordEffect, uow: SqlUnitOfWork) -> None:
+        if command.label == HANG:
+            hung.append(command.label)
+            await asyncio.Event().wait()
+        await record_effect(uow, command.label)
+
+    container.handlers().on_command(RecordEffect, run)
+    await container.worker().start()
+    try:
+        for label in (HANG, "after"):
+            with acting_as():
+                async with container.units_of_work()() as uow:
+                    uow.schedule(RecordEffect(label=label))
+                    await uow.commit()
+            if label == HANG:
+                await eventually(lambda: hung != [])
+
+        async def finished() -> bool:
+            rows = await fetch(container, sa.select(COMMAND_TABLE))
+            return len(rows) == 2 and all(r.processed_on or r.dead_lettered_on for r in rows)
+
+        await until(finished)
+        rows = {r.payload["label"]: r for r in await fetch(container, sa.select(COMMAND_TABLE))}
+        assert rows["after"].processed_on is not None
+        assert (rows[HANG].dead_letter_reason, rows[HANG].retry_count) == ("retries_exhausted", 2)
+        assert "delivery timed out after 1 s" in rows[HANG].last_error
+        assert await _effects(container) == ["after"]
+    finally:
+        await asyncio.wait_for(container.worker().stop(), 30)
+
+
+async def _effects(container: Container) -> list[str]:
+    from ..kit import effects
+
+    async with container.database().session() as session:
+        return await effects(session)
+
+
+async def test_an_after_commit_dispatch_that_never_returns_gives_its_row_back(
+    make_container: ContainerFactory,
+) -> None:
+    """The commit that wrote the row returns once the time limit ends; the row goes back to the
+    processor with the reason, uncharged (an in-process attempt is never charged)."""
+    container = make_container(outbox=LIMITED, message_bus=PUBLISH)
+    await install_kit(container)
+    handler = HangsOnce()
+    container.handlers().on_domain_event(Noted, handler)
+    await asyncio.wait_for(note(container, HANG), timeout=15)
+    hung = (await noted_rows(container))[HANG]
+    assert handler.hung == 1
+    assert (hung.processed_on, hung.lock_token, hung.retry_count) == (None, None, 0)
+    assert "delivery timed out after 1 s" in hung.last_error
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_a_slow_publish_never_overlaps_another_replicas_copy_of_its_row(postgres_url: str) -> None:
+    """Issue 22 item 8, scaled down: a 6 s lease and a 4 s time limit. Replica A publishes two
+    rows one after the other; the second starts with 3.5 s of its claim's lease left (more than
+    half, so it used to skip the renewal) and takes 3.9 s, just under the limit. Its lease must
+    not end while that publish is in flight, or replica B claims the row and publishes it too."""
+    lease = {"lease_seconds": 6, "delivery_timeout_seconds": 4}
+    publish = {"publish_timeout_seconds": 4}
+    container = build_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
+    try:
+        await _two_replicas_publish(container)
+    finally:
+        await container.database().dispose()
+
+
+async def _two_replicas_publish(container: Container) -> None:
+    now = container.clock()()
+    ids = await insert_rows(
+        container,
+        [row("kit.a.v1", now, payload={"seconds": 2.5}), row("kit.a.v1", now, payload={"seconds": 3.9})],
+    )
+    in_flight: Tally[uuid.UUID] = Tally()
+    overlaps: list[uuid.UUID] = []
+
+    async def slow_publish(claimed: ClaimedRow) -> Delivered:
+        in_flight[claimed.id] += 1
+        if in_flight[claimed.id] > 1:
+            overlaps.append(claimed.id)
+        try:
+            await asyncio.sleep(claimed.payload["seconds"])
+        finally:
+            in_flight[claimed.id] -= 1
+        return Delivered.NEEDS_STAMP
+
+    deliverer = ScriptedDeliverer(slow_publish, fresh_lease=False)  # a publish: renewed when short
+    replica_a = outbox_source(container, deliverer, delivery_concurrency=1)
+    replica_b = outbox_source(container, deliverer, delivery_concurrency=1)
+    cycle_a = asyncio.create_task(replica_a.run_cycle())
+    await eventually(lambda: len(deliverer.delivered) == 1)  # A holds both rows now
+
+    async def replica_b_polls() -> None:
+        while True:
+            await replica_b.run_cycle()
+            await asyncio.sleep(0.05)
+
+    polling_b = asyncio.create_task(replica_b_polls())
+    try:
+        await asyncio.wait_for(cycle_a, timeout=30)
+        await asyncio.sleep(0.5)  # B polls on past the end of A's publishes
+    finally:
+        polling_b.cancel()
+        await asyncio.gather(polling_b, return_exceptions=True)
+    assert overlaps == [], "a row was published by two replicas at once"
+    assert sorted(r.id for r in deliverer.delivered) == sorted(ids)
