@@ -250,6 +250,52 @@ async def test_escapes_that_look_alike_but_are_valid_text_pass(container: Contai
     assert await kit.effects() == ["smile \U0001f600", "\\u0000", "caf\u00e9 50%"]
 
 
+NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400 + ".5")
+# Every route that takes a JSON body, each with a body that would otherwise pass, and where a
+# number goes: {number} is replaced by each non-finite literal (a field's value, a nested
+# value, a field the model does not know, a list item).
+LINE = '{"sku": "PEN", "quantity": QUANTITY, "unit_price": PRICE}'
+BODIES = {
+    "/orders": '{"customer_id": "c-1", "lines": [LINE]}'.replace(
+        "LINE", LINE.replace("QUANTITY", "{number}").replace("PRICE", '"1.50"')
+    ),
+    "/orders?unit_price": '{"customer_id": "c-1", "lines": [LINE]}'.replace(
+        "LINE", LINE.replace("QUANTITY", "1").replace("PRICE", "{number}")
+    ),
+    "/orders/0123/cancel": '{"reason": "late", "extra": [1, {number}]}',
+    "/admin/outbox/dead-letters/replay": '{"ids": [{number}]}',
+    "/probe": '{"label": "x", "deep": {"list": [0, {number}]}}',
+}
+
+
+async def test_non_finite_numbers_anywhere_in_a_json_body_are_422_on_every_database(
+    container: Container,
+) -> None:
+    """Python's JSON parser reads NaN, Infinity and 1e400 (as inf), and the 422 that echoed the
+    value could not encode it: a 500 and a traceback. The edge refuses them on every route that
+    takes a body, before any route parses it; the same words inside a string are text and pass."""
+    kit = await install_kit(container)
+    headers = auth(container, roles=("outbox-admin",)) | {"Content-Type": "application/json"}
+    answers: dict[tuple[str, str], tuple[int, str]] = {}
+    async with (
+        live_server(container, with_worker=False, routers=[probe_router()]) as base,
+        httpx.AsyncClient(base_url=base, headers=headers) as client,
+    ):
+        for route, body in BODIES.items():
+            for number in NON_FINITE:
+                answer = await client.post(route.partition("?")[0], content=body.replace("{number}", number))
+                answers[route, number] = (answer.status_code, answer.text)
+        as_text = await client.post("/probe", content='{"label": "NaN Infinity 1e400"}')
+        finite = await client.post("/probe", content='{"label": "y", "extra": [1e300, -1e-400, 1e-5]}')
+    refused = {key: status for key, (status, _) in answers.items() if status == 422}
+    assert refused.keys() == answers.keys(), {k: v for k, v in answers.items() if k not in refused}
+    status_text = answers["/orders", "NaN"][1]
+    assert "non-finite" in status_text
+    assert "Traceback" not in "".join(text for _, text in answers.values())
+    assert (as_text.status_code, finite.status_code) == (201, 201)
+    assert await kit.effects() == ["NaN Infinity 1e400", "y"]
+
+
 async def test_an_offset_past_any_page_is_422_on_every_database(container: Container) -> None:
     headers = auth(container, roles=("outbox-admin",))
     async with (
