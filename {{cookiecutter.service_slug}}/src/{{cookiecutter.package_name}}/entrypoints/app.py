@@ -35,7 +35,11 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
     app.state.units_of_work = container.units_of_work()
     app.state.outbox_admin = container.admin()
     # Added first, so it runs inside the context middleware: its 413/422 carry the correlation id.
-    app.add_middleware(RequestEdgeMiddleware, max_body_bytes=settings.api.max_body_bytes)
+    app.add_middleware(
+        RequestEdgeMiddleware,
+        max_body_bytes=settings.api.max_body_bytes,
+        body_read_timeout_seconds=settings.api.body_read_timeout_seconds,
+    )
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
     container.http_metrics().instrument(app)

@@ -46,11 +46,20 @@ class DatabaseSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen, and the largest request body they read."""
+    """Where `run` and `api` listen, the largest request body they read, and how long a slow
+    client may take (the worker's probe server keeps the same time limits)."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     max_body_bytes: int = Field(default=1_048_576, ge=1)
+    # A request head (request line and headers) not complete this long after its first byte, or
+    # after the connection opened, closes the connection (408 when a head was begun).
+    header_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
+    # A request body not fully received this long after the application starts reading it: 408,
+    # connection closed (a client sending a byte now and then held a request for ever).
+    body_read_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # An idle kept-alive connection is closed after this long (uvicorn's timeout_keep_alive).
+    keep_alive_timeout_seconds: int = Field(default=5, ge=1, le=3600)
 
 
 class WorkerSettings(BaseModel):
