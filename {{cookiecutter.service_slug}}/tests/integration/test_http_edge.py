@@ -204,6 +204,31 @@ async def test_an_over_long_token_is_refused_without_being_decoded(
     assert len(token) not in decoded
 
 
+async def test_a_token_whose_times_are_not_integers_is_401(container: Container) -> None:
+    """PyJWT reads exp with int(): "9999999999" and 1e308 (a token that never expires) passed."""
+    secret = container.settings().auth.jwt_secret.get_secret_value()
+    now = int(datetime.now(UTC).timestamp())
+    claims = {"sub": "mallory", "tenant": "acme", "roles": ["outbox-admin"], "iat": now}
+    tokens = {
+        "string": jwt.encode({**claims, "exp": str(now + 300)}, secret, algorithm="HS256"),
+        "1e308": jwt.encode({**claims, "exp": 1e308}, secret, algorithm="HS256"),
+        "fraction": jwt.encode({**claims, "exp": now + 300.5}, secret, algorithm="HS256"),
+        "integer": jwt.encode({**claims, "exp": now + 300}, secret, algorithm="HS256"),
+    }
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = {
+            name: await client.get("/admin/outbox/pending", headers={"Authorization": f"Bearer {token}"})
+            for name, token in tokens.items()
+        }
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "string": 401,
+        "1e308": 401,
+        "fraction": 401,
+        "integer": 200,
+    }
+    assert "'exp' must be an integer" in answers["1e308"].json()["detail"]
+
+
 UNSTORABLE = {
     "NUL in a JSON string": ("POST", "/probe", '{"label": "a\\u0000b"}'),
     "lone high surrogate": ("POST", "/probe", '{"label": "\\ud800"}'),
