@@ -152,6 +152,22 @@ async def test_the_limit_is_a_setting(make_container: Any) -> None:
     assert (small.status_code, large.status_code) == (201, 413)
 
 
+async def test_a_body_that_trickles_in_is_408_within_the_body_time_limit(make_container: Any) -> None:
+    """A client sending its body a byte at a time held the request (and its task) for ever: the
+    edge answers 408 once API__BODY_READ_TIMEOUT_SECONDS has passed, and a normal body passes.
+    (The request head's time limit, the server's, is tests/integration/test_slow_clients.py's.)"""
+    container = make_container(api={"body_read_timeout_seconds": 0.5})
+    await install_kit(container)
+    trickle = (b" " for _ in range(1000))  # one byte every 10 ms: 10 s for the whole body
+    async with live_server(container, with_worker=False, routers=[probe_router()]) as base:
+        code, sent = await raw_request(base, post_head(container, "Content-Length: 1000"), trickle)
+        async with httpx.AsyncClient(base_url=base, headers=auth(container)) as client:
+            normal = await client.post("/probe", json={"label": "on time"})
+    assert code == 408
+    assert sent < 1000
+    assert normal.status_code == 201
+
+
 async def test_a_refused_value_is_echoed_as_a_short_prefix(container: Container) -> None:
     """A body just under the limit with one huge invalid value: the 422 names the field and
     shows the start of the value, not the megabyte."""
