@@ -168,6 +168,21 @@ async def test_a_body_that_trickles_in_is_408_within_the_body_time_limit(make_co
     assert normal.status_code == 201
 
 
+async def test_a_head_that_trickles_in_is_cut_within_the_header_time_limit(make_container: Any) -> None:
+    """uvicorn has no time limit for a request head: a header sent a byte at a time held the
+    connection for ever. The server now answers 408 and closes once
+    API__HEADER_READ_TIMEOUT_SECONDS has passed since the head began."""
+    container = make_container(api={"header_read_timeout_seconds": 0.5})
+    async with live_server(container, with_worker=False) as base:
+        trickle = (b"a" for _ in range(1000))  # one byte every 10 ms: 10 s for the whole header
+        code, sent = await raw_request(base, "GET /livez HTTP/1.1\r\nX-Slow: ", trickle)
+        async with httpx.AsyncClient(base_url=base) as client:
+            normal = await client.get("/livez")
+    assert code == 408
+    assert sent < 1000
+    assert normal.status_code == 200
+
+
 async def test_a_refused_value_is_echoed_as_a_short_prefix(container: Container) -> None:
     """A body just under the limit with one huge invalid value: the 422 names the field and
     shows the start of the value, not the megabyte."""
