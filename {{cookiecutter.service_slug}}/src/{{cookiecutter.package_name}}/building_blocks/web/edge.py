@@ -46,7 +46,7 @@ class RequestEdgeMiddleware:
     """Pure ASGI middleware: size and time limits and the unstorable-text check for every HTTP
     request."""
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_seconds: float = 30.0) -> None:
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_seconds: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.body_read_timeout_seconds = body_read_timeout_seconds
