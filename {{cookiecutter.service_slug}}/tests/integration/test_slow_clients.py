@@ -69,8 +69,8 @@ async def test_slow_heads_idle_connections_and_slow_bodies_are_cut_while_others_
         idle = trickle(port, b"", b"")
         slow_body = trickle(
             port,
-            b"POST /orders HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 200\r\n\r\n",
+            b"POST /admin/outbox/dead-letters/replay HTTP/1.1\r\nHost: t\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 200\r\n\r\n",
             b"{" + b" " * 199,
         )
 
