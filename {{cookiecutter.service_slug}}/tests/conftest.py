@@ -343,20 +343,18 @@ async def live_server(
     from {{ cookiecutter.package_name }}.entrypoints.app import (
         create_app,
     )
+    from {{ cookiecutter.package_name }}.entrypoints.http_server import (
+        server_config,
+    )
 
     app = create_app(container, with_worker=with_worker)
     for router in routers:
         app.include_router(router)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            log_config=None,
-            lifespan="on",
-        )
-    )
+    # The configuration `run` and `api` serve with (time limits for slow clients included).
+    config = server_config(app, container.settings().api, container.settings().logging.level)
+    config.host, config.port = "127.0.0.1", port
+    server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     try:
         for _ in range(200):

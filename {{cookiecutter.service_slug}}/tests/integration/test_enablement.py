@@ -92,6 +92,41 @@ def test_the_published_jwt_secret_is_never_served_beyond_loopback(
     assert "loopback" in line
 
 
+@pytest.mark.parametrize("algorithm", ["none", "RS256", "hs256"])
+def test_production_refuses_a_jwt_algorithm_it_cannot_verify_at_start_up(
+    tmp_path: Path, algorithm: str
+) -> None:
+    """With ``none`` (or any algorithm that is not HMAC) the service started and refused every
+    token. It now refuses to start: one line, exit 2, nothing served."""
+    clean = {k: v for k, v in os.environ.items() if "__" not in k}
+    env = clean | {
+        "ENVIRONMENT": "production",
+        "AUTH__JWT_SECRET": "s" * 64,
+        "AUTH__JWT_ISSUER": "https://id.example",
+        "AUTH__JWT_AUDIENCE": "order-service",
+        "AUTH__JWT_ALGORITHM": algorithm,
+        "DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "api", "--port", "0"],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, stderr = process.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        pytest.fail(f"the service started with AUTH__JWT_ALGORITHM={algorithm}")
+    assert process.returncode == 2, stderr
+    (line,) = stderr.strip().splitlines()
+    assert "auth.jwt_algorithm" in line
+    assert "HS256, HS384 or HS512" in line
+
+
 def test_the_inbox_off_with_a_broker_warns_once(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
     settings = make_settings(sqlite_url, message_bus={"transport": "rabbitmq", "enable_inbox": False})
     with caplog.at_level(logging.WARNING):

@@ -210,3 +210,30 @@ async def test_text_no_database_stores_alike_is_422_in_every_order_field(contain
             await client.post("/orders/o%00x/cancel", json={"reason": "r"}, headers=headers),
         ]
     assert [a.status_code for a in answers] == [422, 422, 422, 422], [a.text for a in answers]
+
+
+NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "1" + "0" * 400 + ".5")
+ORDER_WITH_LINE = '{"customer_id": "c", "lines": [{"sku": "PEN", "quantity": QUANTITY, "unit_price": PRICE}]}'
+# Each body with QUANTITY, PRICE or NUMBER where a non-finite literal goes.
+NON_FINITE_BODIES = {
+    "quantity": ("/orders", ORDER_WITH_LINE.replace("PRICE", '"1.50"')),
+    "price": ("/orders", ORDER_WITH_LINE.replace("QUANTITY", "1")),
+    "cancel": ("/orders/0123/cancel", '{"reason": "late", "extra": [1, NUMBER]}'),
+}
+
+
+async def test_non_finite_numbers_in_every_order_body_are_422(container: Container) -> None:
+    """NaN, Infinity and 1e400 (read as inf) in an order's quantity or price, or anywhere in a
+    cancellation, answered 500 with a traceback: the 422 that echoed the value could not encode
+    it. The edge refuses them before the route parses the body."""
+    headers = auth(container) | {"Content-Type": "application/json"}
+    async with live_server(container) as base, httpx.AsyncClient(base_url=base, headers=headers) as client:
+        answers = {}
+        for name, (path, body) in NON_FINITE_BODIES.items():
+            for number in NON_FINITE:
+                filled = body.replace("QUANTITY", number).replace("PRICE", number).replace("NUMBER", number)
+                answers[name, number] = await client.post(path, content=filled)
+        placed = await client.post("/orders", json=ORDER)
+    assert {key: answer.status_code for key, answer in answers.items()} == dict.fromkeys(answers, 422)
+    assert all(answer.json()["detail"][0]["type"] == "non_finite_number" for answer in answers.values())
+    assert placed.status_code == 201

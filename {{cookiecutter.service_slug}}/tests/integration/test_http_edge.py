@@ -152,6 +152,37 @@ async def test_the_limit_is_a_setting(make_container: Any) -> None:
     assert (small.status_code, large.status_code) == (201, 413)
 
 
+async def test_a_body_that_trickles_in_is_408_within_the_body_time_limit(make_container: Any) -> None:
+    """A client sending its body a byte at a time held the request (and its task) for ever: the
+    edge answers 408 once API__BODY_READ_TIMEOUT_SECONDS has passed, and a normal body passes.
+    (The request head's time limit, the server's, is tests/integration/test_slow_clients.py's.)"""
+    container = make_container(api={"body_read_timeout_seconds": 0.5})
+    await install_kit(container)
+    trickle = (b" " for _ in range(1000))  # one byte every 10 ms: 10 s for the whole body
+    async with live_server(container, with_worker=False, routers=[probe_router()]) as base:
+        code, sent = await raw_request(base, post_head(container, "Content-Length: 1000"), trickle)
+        async with httpx.AsyncClient(base_url=base, headers=auth(container)) as client:
+            normal = await client.post("/probe", json={"label": "on time"})
+    assert code == 408
+    assert sent < 1000
+    assert normal.status_code == 201
+
+
+async def test_a_head_that_trickles_in_is_cut_within_the_header_time_limit(make_container: Any) -> None:
+    """uvicorn has no time limit for a request head: a header sent a byte at a time held the
+    connection for ever. The server now answers 408 and closes once
+    API__HEADER_READ_TIMEOUT_SECONDS has passed since the head began."""
+    container = make_container(api={"header_read_timeout_seconds": 0.5})
+    async with live_server(container, with_worker=False) as base:
+        trickle = (b"a" for _ in range(1000))  # one byte every 10 ms: 10 s for the whole header
+        code, sent = await raw_request(base, "GET /livez HTTP/1.1\r\nX-Slow: ", trickle)
+        async with httpx.AsyncClient(base_url=base) as client:
+            normal = await client.get("/livez")
+    assert code == 408
+    assert sent < 1000
+    assert normal.status_code == 200
+
+
 async def test_a_refused_value_is_echoed_as_a_short_prefix(container: Container) -> None:
     """A body just under the limit with one huge invalid value: the 422 names the field and
     shows the start of the value, not the megabyte."""
@@ -204,6 +235,31 @@ async def test_an_over_long_token_is_refused_without_being_decoded(
     assert len(token) not in decoded
 
 
+async def test_a_token_whose_times_are_not_integers_is_401(container: Container) -> None:
+    """PyJWT reads exp with int(): "9999999999" and 1e308 (a token that never expires) passed."""
+    secret = container.settings().auth.jwt_secret.get_secret_value()
+    now = int(datetime.now(UTC).timestamp())
+    claims = {"sub": "mallory", "tenant": "acme", "roles": ["outbox-admin"], "iat": now}
+    tokens = {
+        "string": jwt.encode({**claims, "exp": str(now + 300)}, secret, algorithm="HS256"),
+        "1e308": jwt.encode({**claims, "exp": 1e308}, secret, algorithm="HS256"),
+        "fraction": jwt.encode({**claims, "exp": now + 300.5}, secret, algorithm="HS256"),
+        "integer": jwt.encode({**claims, "exp": now + 300}, secret, algorithm="HS256"),
+    }
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        answers = {
+            name: await client.get("/admin/outbox/pending", headers={"Authorization": f"Bearer {token}"})
+            for name, token in tokens.items()
+        }
+    assert {name: a.status_code for name, a in answers.items()} == {
+        "string": 401,
+        "1e308": 401,
+        "fraction": 401,
+        "integer": 200,
+    }
+    assert "'exp' must be an integer" in answers["1e308"].json()["detail"]
+
+
 UNSTORABLE = {
     "NUL in a JSON string": ("POST", "/probe", '{"label": "a\\u0000b"}'),
     "lone high surrogate": ("POST", "/probe", '{"label": "\\ud800"}'),
@@ -248,6 +304,44 @@ async def test_escapes_that_look_alike_but_are_valid_text_pass(container: Contai
         plain = await client.put("/probe", params={"label": "caf\u00e9 50%"})
     assert [a.status_code for a in (pair, literal, plain)] == [201, 201, 201]
     assert await kit.effects() == ["smile \U0001f600", "\\u0000", "caf\u00e9 50%"]
+
+
+NON_FINITE = ("NaN", "Infinity", "-Infinity", "1e400", "-1e400", "1" + "0" * 400 + ".5")
+# Routes that take a JSON body, each with a body that would otherwise pass, and where a number
+# goes: {number} is replaced by each non-finite literal (a field's value, a list item, a field
+# the model does not know). The example's own routes are tests/integration/test_example_orders_api.py's.
+BODIES = {
+    "/admin/outbox/dead-letters/replay": '{"ids": [{number}]}',
+    "/probe": '{"label": "x", "deep": {"list": [0, {number}]}}',
+    "/no-such-route": '{"n": {number}}',
+}
+
+
+async def test_non_finite_numbers_anywhere_in_a_json_body_are_422_on_every_database(
+    container: Container,
+) -> None:
+    """Python's JSON parser reads NaN, Infinity and 1e400 (as inf), and the 422 that echoed the
+    value could not encode it: a 500 and a traceback. The edge refuses them on every route that
+    takes a body, before any route parses it; the same words inside a string are text and pass."""
+    kit = await install_kit(container)
+    headers = auth(container, roles=("outbox-admin",)) | {"Content-Type": "application/json"}
+    answers: dict[tuple[str, str], tuple[int, str]] = {}
+    async with (
+        live_server(container, with_worker=False, routers=[probe_router()]) as base,
+        httpx.AsyncClient(base_url=base, headers=headers) as client,
+    ):
+        for route, body in BODIES.items():
+            for number in NON_FINITE:
+                answer = await client.post(route.partition("?")[0], content=body.replace("{number}", number))
+                answers[route, number] = (answer.status_code, answer.text)
+        as_text = await client.post("/probe", content='{"label": "NaN Infinity 1e400"}')
+        finite = await client.post("/probe", content='{"label": "y", "extra": [1e300, -1e-400, 1e-5]}')
+    refused = {key: status for key, (status, _) in answers.items() if status == 422}
+    assert refused.keys() == answers.keys(), {k: v for k, v in answers.items() if k not in refused}
+    assert "non-finite" in answers["/probe", "NaN"][1]
+    assert "Traceback" not in "".join(text for _, text in answers.values())
+    assert (as_text.status_code, finite.status_code) == (201, 201)
+    assert await kit.effects() == ["NaN Infinity 1e400", "y"]
 
 
 async def test_an_offset_past_any_page_is_422_on_every_database(container: Container) -> None:

@@ -82,3 +82,48 @@ def test_a_configured_issuer_and_audience_are_required_in_every_token() -> None:
     for claims in ({}, {"iss": "https://id.example"}, {"aud": "orders"}, {"iss": "other", "aud": "orders"}):
         with pytest.raises(InvalidTokenError):
             strict.verify(signed(**claims))
+
+
+# At the limits, in UTF-8 bytes: "\u00fc" is 2 bytes, so these are 32, 64 and 258 characters.
+AT_LIMIT = {
+    "tenant": "\u00fc" * 32,  # 64 bytes
+    "sub": "\u00fc" * 64,  # 128 bytes
+    "roles": ["\u00fc" * 127 + "a", "\u00fc" * 127 + "bc"],  # 255 + "," + 256 = 512 bytes
+}
+OVER_LIMIT = {
+    "tenant": "\u00fc" * 40,  # 80 bytes in 40 characters: was accepted, every consumer refused it
+    "sub": "\u00fc" * 65,  # 130 bytes in 65 characters
+    "roles": ["\u00fc" * 127 + "a", "\u00fc" * 127 + "bcd"],  # 513 bytes in 259 characters
+}
+
+
+def test_identities_are_bounded_in_utf8_bytes_the_unit_consumers_bound_headers_in() -> None:
+    """The consumers refuse a signed header over its byte limit (oversized_header): a value that
+    fits in characters but not in bytes is refused at the token, never accepted and lost."""
+    identity = service().verify(signed(**AT_LIMIT))
+    assert (identity.tenant_id, identity.user_id, identity.roles) == (
+        AT_LIMIT["tenant"],
+        AT_LIMIT["sub"],
+        tuple(AT_LIMIT["roles"]),
+    )
+    for claim, value in OVER_LIMIT.items():
+        with pytest.raises(InvalidTokenError, match=f"'{claim}' .* bytes in UTF-8"):
+            service().verify(signed(**{claim: value}))
+
+
+@pytest.mark.parametrize("claim", ["exp", "nbf", "iat"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "9999999999",  # a string: PyJWT converts it with int() and accepted it
+        1e308,  # a float: int(1e308) never expires
+        9999999999.5,
+        10**20,  # an integer no datetime holds
+        True,
+    ],
+)
+def test_times_that_are_not_plain_integers_are_refused(claim: str, value: object) -> None:
+    """PyJWT reads a time with int(): a string, a float, 1e308 (a token that never expires) and
+    True all passed. Each is refused (401 over HTTP), whichever check catches it first."""
+    with pytest.raises(InvalidTokenError, match="invalid bearer token: "):
+        service().verify(signed(**{claim: value}))

@@ -3,6 +3,8 @@
 import pytest
 
 from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values import (
+    MAX_TENANT_BYTES,
+    MAX_USER_BYTES,
     InvalidContextError,
     validate_correlation_id,
 )
@@ -13,20 +15,67 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context impo
     use_context,
 )
 from {{ cookiecutter.package_name }}.building_blocks.kernel.roles import (
-    MAX_ROLES_LENGTH,
+    MAX_ROLES_BYTES,
     flatten_roles,
+)
+from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import (
+    LIMITS,
+    TENANT_ID,
+    USER_ID,
+    USER_ROLES,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+    InboxMessage,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX_TABLE,
 )
 
 pytestmark = pytest.mark.unit
 
 
-def test_roles_are_flattened_and_capped_at_512_characters_on_role_boundaries() -> None:
-    roles = [f"role-{i:04d}" for i in range(100)]  # 9 chars each
+@pytest.mark.parametrize("letter", ["r", "\u00fc"])
+def test_roles_are_flattened_and_capped_at_512_bytes_on_role_boundaries(letter: str) -> None:
+    roles = [f"{letter}ole-{i:04d}" for i in range(100)]
     flattened = flatten_roles(roles)
     assert flattened is not None
-    assert len(flattened) <= MAX_ROLES_LENGTH
+    assert 500 < len(flattened.encode()) <= MAX_ROLES_BYTES
     assert flattened.split(",") == roles[: len(flattened.split(","))]
     assert flatten_roles(["a,b", " ", "c"]) == "ab,c"
+
+
+def test_one_byte_limit_per_identity_value_for_headers_and_columns() -> None:
+    """The consumers bound the signed headers with the very limits the API bounds claims with,
+    and every column that stores the value holds it: varchar(n) counts characters, and a value
+    of n bytes never has more than n characters."""
+    assert (LIMITS[TENANT_ID], LIMITS[USER_ID], LIMITS[USER_ROLES]) == (
+        MAX_TENANT_BYTES,
+        MAX_USER_BYTES,
+        MAX_ROLES_BYTES,
+    )
+    inbox = InboxMessage.__table__  # type: ignore[attr-defined]
+    columns = [
+        *((table.c.tenant_id, MAX_TENANT_BYTES) for table in (OUTBOX_TABLE, COMMAND_TABLE, inbox)),
+        *((table.c.user_id, MAX_USER_BYTES) for table in (OUTBOX_TABLE, COMMAND_TABLE)),
+        *((table.c.user_roles, MAX_ROLES_BYTES) for table in (OUTBOX_TABLE, COMMAND_TABLE)),
+    ]
+    assert [(column, column.type.length >= limit) for column, limit in columns] == [
+        (column, True) for column, _ in columns
+    ]
+
+
+def test_capture_refuses_an_identity_no_consumer_would_accept() -> None:
+    """An identity set by other means than a token (a script's own context) is checked where it
+    becomes a row: over its byte limit, nothing is written that every consumer would refuse."""
+    for context in (
+        RequestContext(tenant_id="\u00fc" * 33, user_id="u"),
+        RequestContext(tenant_id="t", user_id="\u00fc" * 65),
+    ):
+        with use_context(context), pytest.raises(InvalidContextError, match="bytes in UTF-8"):
+            capture()
+    with use_context(RequestContext(tenant_id="\u00fc" * 32, user_id="\u00fc" * 64)):
+        assert capture().tenant_id == "\u00fc" * 32
 
 
 @pytest.mark.parametrize("value", ["x" * 65, "", "-starts-with-dash", "has space", "semi;colon", "é"])

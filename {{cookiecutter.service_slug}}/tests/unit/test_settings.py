@@ -13,6 +13,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import (
     otlp_processor,
 )
 from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanKind
+from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import LIMITS
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
@@ -209,3 +210,14 @@ def test_tracing_is_off_by_default_and_otel_builds_an_otlp_tracer() -> None:
         assert isinstance(exporting, BatchSpanProcessor)
     finally:
         exporting.shutdown()
+
+
+def test_the_header_total_can_never_refuse_headers_each_within_its_limit() -> None:
+    """Every signed header at its own limit (an identity the API accepts at its byte limit) fits
+    in the smallest MESSAGE_BUS__MAX_HEADER_BYTES accepted."""
+    at_limits = sum(len(name) + limit for name, limit in LIMITS.items())
+    minimum = 2048
+    assert at_limits <= minimum
+    assert settings(message_bus={"max_header_bytes": minimum}).message_bus.max_header_bytes == minimum
+    with pytest.raises(ValidationError, match="max_header_bytes"):
+        settings(message_bus={"max_header_bytes": at_limits - 1})

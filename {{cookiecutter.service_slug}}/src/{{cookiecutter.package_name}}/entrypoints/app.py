@@ -27,15 +27,19 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
         title=SERVICE_NAME,
         description=DESCRIPTION,
         lifespan=lifespan(container, with_worker=with_worker),
-        # What the edge answers for any operation: a refused header, an oversized body, text
-        # no database stores (see building_blocks/web).
-        responses=error_responses(400, 413, 422),
+        # What the edge answers for any operation: a refused header, a body too slow or too
+        # large, text no database stores or a non-finite number (see building_blocks/web).
+        responses=error_responses(400, 408, 413, 422),
     )
     app.state.container = container
     app.state.units_of_work = container.units_of_work()
     app.state.outbox_admin = container.admin()
     # Added first, so it runs inside the context middleware: its 413/422 carry the correlation id.
-    app.add_middleware(RequestEdgeMiddleware, max_body_bytes=settings.api.max_body_bytes)
+    app.add_middleware(
+        RequestEdgeMiddleware,
+        max_body_bytes=settings.api.max_body_bytes,
+        body_read_timeout_seconds=settings.api.body_read_timeout_seconds,
+    )
     app.add_middleware(RequestContextMiddleware, tokens=container.tokens(), tracing=container.tracing())
     install_error_handlers(app)
     container.http_metrics().instrument(app)

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from ..about import SERVICE_NAME
+from ..building_blocks.web.auth import InvalidTokenError
 from ..container import Container, build_container
 from . import migrations
 from .cli_errors import EXIT_CONFIG, CliError, load_settings
@@ -28,7 +29,13 @@ def _token(args: argparse.Namespace, container: Container) -> None:
         msg = "token minting is a development helper and is refused in production"
         raise CliError(msg)
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
-    print(container.tokens().mint(user_id=args.user, tenant_id=args.tenant, roles=roles))
+    tokens = container.tokens()
+    token = tokens.mint(user_id=args.user, tenant_id=args.tenant, roles=roles)
+    try:
+        tokens.verify(token)  # the API's own checks: a token it would refuse is not printed
+    except InvalidTokenError as error:
+        raise CliError(str(error).removeprefix("invalid bearer token: ")) from None
+    print(token)
 
 
 def _asyncapi(args: argparse.Namespace, container: Container) -> None:

@@ -46,15 +46,17 @@ async def serve(container: Container, listening: socket.socket, *, with_worker: 
     if settings.environment.value == "development":
         base = f"http://{socket_host(listening)}:{bound_port(listening)}"
         print_banner(settings, app, base, with_worker=with_worker)
-    await serve_app(app, listening, settings.logging.level)
+    await serve_app(app, listening, settings)
 
 
-async def serve_app(app: FastAPI, listening: socket.socket, log_level: str) -> None:
-    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT."""
+async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) -> None:
+    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT, with the
+    time limits for slow clients (``API__HEADER_READ_TIMEOUT_SECONDS`` and the keep-alive)."""
     import uvicorn  # noqa: PLC0415 (not needed by the other commands)
 
-    config = uvicorn.Config(app, log_config=None, lifespan="on", log_level=log_level.lower())
-    server = uvicorn.Server(config)
+    from .http_server import server_config  # noqa: PLC0415 (imports uvicorn)
+
+    server = uvicorn.Server(server_config(app, settings.api, settings.logging.level))
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

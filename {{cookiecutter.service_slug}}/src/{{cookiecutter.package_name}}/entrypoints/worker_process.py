@@ -48,4 +48,4 @@ async def serve_worker(container: Container, listening: socket.socket) -> None:
 
     base = f"http://{socket_host(listening)}:{bound_port(listening)}"
     log.info("worker: /livez, /readyz and /metrics on %s", base)
-    await serve_app(create_worker_app(container), listening, container.settings().logging.level)
+    await serve_app(create_worker_app(container), listening, container.settings())

@@ -1,9 +1,11 @@
 """Bearer tokens: HS256 JWTs; production refuses the published development secret, a key shorter
-than its hash (RFC 7518 3.2), and a token without issuer and audience."""
+than its hash (RFC 7518 3.2), and a token without issuer and audience. Every start refuses an
+algorithm other than HS256, HS384 and HS512: with ``none`` or an RSA name the service started and
+then refused every token."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 
 DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (refused in production)
 
@@ -22,6 +24,18 @@ class AuthSettings(BaseModel):
     admin_role: str = "outbox-admin"
     operator_role: str = "outbox-operator"
 
+    @field_validator("jwt_algorithm")
+    @classmethod
+    def _shared_secret_algorithm(cls, value: str) -> str:
+        """Only the HMAC algorithms verify with a shared secret (``none`` verifies nothing)."""
+        if value not in MIN_JWT_SECRET_BYTES:
+            msg = (
+                "AUTH__JWT_ALGORITHM must be HS256, HS384 or HS512 (tokens signed with the shared "
+                f"secret), got {value!r}"
+            )
+            raise ValueError(msg)
+        return value
+
     def refuse_in_production(self) -> None:
         """The development secret, a key shorter than its hash, or tokens not bound to an issuer
         and an audience (any service sharing the secret could mint ours) are refused."""
@@ -29,7 +43,7 @@ class AuthSettings(BaseModel):
         if secret == DEV_JWT_SECRET:
             msg = "AUTH__JWT_SECRET must be set in production"
             raise ValueError(msg)
-        minimum = MIN_JWT_SECRET_BYTES.get(self.jwt_algorithm, MIN_JWT_SECRET_BYTES["HS256"])
+        minimum = MIN_JWT_SECRET_BYTES[self.jwt_algorithm]
         if len(secret.encode()) < minimum:
             msg = (
                 f"AUTH__JWT_SECRET must be at least {minimum} bytes for {self.jwt_algorithm}, "

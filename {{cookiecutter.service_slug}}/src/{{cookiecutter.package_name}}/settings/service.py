@@ -46,7 +46,8 @@ class DatabaseSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen, the largest request body they read, and how long an
+    """Where `run` and `api` listen, the largest request body they read, how long a slow client
+    may take (the worker's probe server keeps the same time limits) and how long an
     ``Idempotency-Key`` is remembered."""
 
     host: str = "127.0.0.1"
@@ -58,6 +59,14 @@ class ApiSettings(BaseModel):
         le=24 * 366,
         description="How long an Idempotency-Key answers its first answer; 0 keeps keys for ever",
     )
+    # A request head (request line and headers) not complete this long after its first byte, or
+    # after the connection opened, closes the connection (408 when a head was begun).
+    header_read_timeout_seconds: float = Field(default=10.0, gt=0, le=3600)
+    # A request body not fully received this long after the application starts reading it: 408,
+    # connection closed (a client sending a byte now and then held a request for ever).
+    body_read_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    # An idle kept-alive connection is closed after this long (uvicorn's timeout_keep_alive).
+    keep_alive_timeout_seconds: int = Field(default=5, ge=1, le=3600)
 
 
 class WorkerSettings(BaseModel):

@@ -1,5 +1,14 @@
 """Context values from outside (a header, a token, a message) are validated, never cleaned: a
-correlation id of at most 64 safe characters, a W3C traceparent. Roles are in ``roles``."""
+correlation id of at most 64 safe characters, a W3C traceparent, a tenant and a user within their
+limits. Roles are in ``roles``.
+
+Identities are bounded in one unit, UTF-8 bytes, the unit a signed header is bounded in: the same
+constants bound the token's claims at the API, the ambient context where it becomes a row
+(:func:`check_identity`), and the headers every consumer reads (``messaging/header_names.py``).
+A value within them is never refused downstream; the columns that store these values are
+``varchar(n)`` with ``n`` at least the limit (``n`` counts characters, and ``n`` bytes are never
+more than ``n`` characters).
+"""
 
 from __future__ import annotations
 
@@ -7,11 +16,11 @@ import re
 import secrets
 import uuid
 
-MAX_CORRELATION_ID_LENGTH = 64
+MAX_CORRELATION_ID_BYTES = 64  # ASCII only (see the pattern): as many characters
 
-MAX_TENANT_LENGTH = 64
+MAX_TENANT_BYTES = 64
 
-MAX_USER_LENGTH = 128
+MAX_USER_BYTES = 128
 
 _CORRELATION_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}")
 
@@ -20,6 +29,25 @@ _TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 class InvalidContextError(ValueError):
     """A context value from outside (header, token, message) failed validation."""
+
+
+def utf8_size(text: str) -> int:
+    """The size of ``text`` in UTF-8 (a lone surrogate counted as its 3 bytes, never an error)."""
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def fits(text: str, limit: int) -> bool:
+    """True for a non-empty ``text`` of at most ``limit`` bytes in UTF-8."""
+    return 0 < utf8_size(text) <= limit
+
+
+def check_identity(tenant_id: str | None, user_id: str | None) -> None:
+    """Refuse a tenant or user over its byte limit: every consumer would refuse the header that
+    carries it (``oversized_header``), so each event of that caller would be lost to them."""
+    for name, value, limit in (("tenant", tenant_id, MAX_TENANT_BYTES), ("user", user_id, MAX_USER_BYTES)):
+        if value is not None and not fits(value, limit):
+            msg = f"the {name} must be 1-{limit} bytes in UTF-8, got {utf8_size(value)}"
+            raise InvalidContextError(msg)
 
 
 def new_correlation_id() -> str:

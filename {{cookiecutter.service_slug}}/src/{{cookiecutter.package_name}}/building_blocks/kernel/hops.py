@@ -8,14 +8,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .context_values import new_correlation_id
+from .context_values import check_identity, new_correlation_id
 from .request_context import CapturedContext, RequestContext, current_context, use_context
 from .roles import flatten_roles, split_roles
 
 
 def capture() -> CapturedContext:
-    """Snapshot the ambient context for persistence (roles flattened and capped)."""
+    """Snapshot the ambient context for persistence (roles flattened and capped); an identity
+    over its byte limit is refused (``InvalidContextError``) before any row carries it."""
     context = current_context()
+    check_identity(context.tenant_id, context.user_id)
     return CapturedContext(
         tenant_id=context.tenant_id,
         user_id=context.user_id,

@@ -3,14 +3,16 @@
 Every message carries ``x-message-id`` (the outbox row id: the inbox deduplicates on it on every
 transport, Kafka included), ``x-event-name``, ``x-occurred-on``, ``x-tenant-id``, ``x-user-id``,
 ``x-user-roles``, ``x-correlation-id``, W3C ``traceparent`` and ``x-context-signature``. The
-limits are checked before anything is restored: an oversized header is a rejection, not a
-truncation, because a truncated tenant or user is a different tenant or user.
+limits, in UTF-8 bytes, are checked before anything is restored: an oversized header is a
+rejection, not a truncation, because a truncated tenant or user is a different tenant or user.
+The identity limits are the constants the API bounds a token's claims with, so a caller the API
+accepts is never refused here.
 """
 
 from __future__ import annotations
 
-from ..kernel.context_values import MAX_CORRELATION_ID_LENGTH, MAX_TENANT_LENGTH, MAX_USER_LENGTH
-from ..kernel.roles import MAX_ROLES_LENGTH
+from ..kernel.context_values import MAX_CORRELATION_ID_BYTES, MAX_TENANT_BYTES, MAX_USER_BYTES
+from ..kernel.roles import MAX_ROLES_BYTES
 
 MESSAGE_ID = "x-message-id"
 EVENT_NAME = "x-event-name"
@@ -36,10 +38,10 @@ LIMITS = {
     MESSAGE_ID: 128,
     EVENT_NAME: 200,
     OCCURRED_ON: 64,
-    TENANT_ID: MAX_TENANT_LENGTH,
-    USER_ID: MAX_USER_LENGTH,
-    USER_ROLES: MAX_ROLES_LENGTH,
-    CORRELATION_ID: MAX_CORRELATION_ID_LENGTH,
+    TENANT_ID: MAX_TENANT_BYTES,
+    USER_ID: MAX_USER_BYTES,
+    USER_ROLES: MAX_ROLES_BYTES,
+    CORRELATION_ID: MAX_CORRELATION_ID_BYTES,
     TRACEPARENT: 55,
     SIGNATURE: 200,
 }

@@ -13,12 +13,17 @@ from typing import Any
 import jwt
 
 from ..kernel.clock import Clock
-from ..kernel.context_values import MAX_TENANT_LENGTH, MAX_USER_LENGTH
+from ..kernel.context_values import MAX_TENANT_BYTES, MAX_USER_BYTES, fits, utf8_size
+from ..kernel.roles import MAX_ROLES_BYTES, flattened_size
 from ..kernel.text import is_plain_identifier
 
 # Far above any token this service mints (three short claims); a longer one is refused before
 # it is decoded, so an oversized header costs no base64 and JSON work.
 MAX_TOKEN_LENGTH = 8192
+# The registered times, in seconds since the epoch. PyJWT reads them with int(), so a string, a
+# float and 1e308 (a token that never expires) passed; a time is an integer up to 9999-12-31.
+TIME_CLAIMS = ("exp", "nbf", "iat")
+LATEST_TIME = 253_402_300_799
 
 
 class InvalidTokenError(ValueError):
@@ -89,20 +94,43 @@ class TokenService:
 
     @staticmethod
     def _identity(claims: dict[str, Any]) -> Identity:
+        _refuse_odd_times(claims)
         user, tenant, roles = claims.get("sub"), claims.get("tenant"), claims.get("roles", [])
-        if not isinstance(user, str) or not 0 < len(user) <= MAX_USER_LENGTH:
-            msg = f"invalid bearer token: 'sub' must be a string of 1-{MAX_USER_LENGTH} characters"
-            raise InvalidTokenError(msg)
-        if not isinstance(tenant, str) or not 0 < len(tenant) <= MAX_TENANT_LENGTH:
-            msg = f"invalid bearer token: 'tenant' must be a string of 1-{MAX_TENANT_LENGTH} characters"
-            raise InvalidTokenError(msg)
+        # Bytes in UTF-8, the unit consumers bound the signed headers in: a value that fit in
+        # characters but not in bytes was accepted here and refused by every consumer.
+        user = _bounded_text("sub", user, MAX_USER_BYTES)
+        tenant = _bounded_text("tenant", tenant, MAX_TENANT_BYTES)
         if isinstance(roles, str):
             roles = [r for r in roles.split(",") if r]
         if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
             msg = "invalid bearer token: 'roles' must be a list of strings"
             raise InvalidTokenError(msg)
+        if flattened_size(roles) > MAX_ROLES_BYTES:
+            msg = (
+                f"invalid bearer token: 'roles' must be at most {MAX_ROLES_BYTES} bytes in UTF-8 "
+                f"comma-joined, got {flattened_size(roles)}"
+            )
+            raise InvalidTokenError(msg)
         _refuse_control_characters(sub=[user], tenant=[tenant], roles=roles)
         return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+
+
+def _bounded_text(claim: str, value: object, limit: int) -> str:
+    if isinstance(value, str) and fits(value, limit):
+        return value
+    got = f", got {utf8_size(value)}" if isinstance(value, str) else ""
+    msg = f"invalid bearer token: '{claim}' must be a string of 1-{limit} bytes in UTF-8{got}"
+    raise InvalidTokenError(msg)
+
+
+def _refuse_odd_times(claims: dict[str, Any]) -> None:
+    for claim in TIME_CLAIMS:
+        value = claims.get(claim)
+        if value is None:
+            continue
+        if type(value) is not int or not 0 <= value <= LATEST_TIME:
+            msg = f"invalid bearer token: '{claim}' must be an integer number of seconds up to {LATEST_TIME}"
+            raise InvalidTokenError(msg)
 
 
 def _refuse_control_characters(**claims: list[str]) -> None:

@@ -3,6 +3,9 @@
 * A body over ``API__MAX_BODY_BYTES`` is 413: at once when ``Content-Length`` says so, otherwise
   as soon as the bytes received pass the limit (a chunked body is counted as it streams, never
   read to its end).
+* A body not fully received within ``API__BODY_READ_TIMEOUT_SECONDS`` is 408 and the connection
+  is closed: a client sending a byte now and then would otherwise hold a request for ever. (The
+  request head's own time limit is the server's: ``entrypoints/http_server.py``.)
 * Text that no database stores alike (see :mod:`.text`) in the path, the query, or a JSON or
   form body is 422 for every route, including the ones a context adds later, so SQLite and
   PostgreSQL give one answer. Other content types (uploads) pass on as bytes.
@@ -14,6 +17,8 @@ or ``\\uD800``-``\\uDFFF`` escape, the only way JSON text can carry those charac
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
@@ -31,12 +36,20 @@ def too_large(limit: int) -> Refused:
     return Refused(JSONResponse({"detail": detail}, status_code=413))
 
 
-class RequestEdgeMiddleware:
-    """Pure ASGI middleware: size limit and unstorable-text check for every HTTP request."""
+def too_slow(seconds: float) -> Refused:
+    detail = f"the request body did not arrive within {seconds:g} s (API__BODY_READ_TIMEOUT_SECONDS)"
+    # The rest of the body may still be on its way: the connection is not reused.
+    return Refused(JSONResponse({"detail": detail}, status_code=408, headers={"connection": "close"}))
 
-    def __init__(self, app: ASGIApp, *, max_body_bytes: int) -> None:
+
+class RequestEdgeMiddleware:
+    """Pure ASGI middleware: size and time limits and the unstorable-text check for every HTTP
+    request."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_seconds: float) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_seconds = body_read_timeout_seconds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,6 +74,13 @@ class RequestEdgeMiddleware:
             raise too_large(self.max_body_bytes)
 
     async def _read_body(self, receive: Receive) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_read_timeout_seconds):
+                return await self._read_body_untimed(receive)
+        except TimeoutError:
+            raise too_slow(self.body_read_timeout_seconds) from None
+
+    async def _read_body_untimed(self, receive: Receive) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:

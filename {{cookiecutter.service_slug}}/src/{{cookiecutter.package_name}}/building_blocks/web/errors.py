@@ -38,10 +38,14 @@ WHY = {
     401: "No valid bearer token",
     403: "The token lacks the role this operation needs",
     404: "Not found (another tenant's row answers the same)",
+    408: "The request head or body did not arrive in time (API__HEADER/BODY_READ_TIMEOUT_SECONDS)",
     409: "Conflict with the current state (a stale version, a transition not allowed)",
     413: "The body is larger than API__MAX_BODY_BYTES",
-    422: "A field the service refuses (FastAPI's field errors, or text no database stores alike),"
-    " or an Idempotency-Key already used for another request",
+    422: (
+        "A field the service refuses (FastAPI's field errors, text no database stores alike, "
+        "or a non-finite number in a JSON body), or an Idempotency-Key already used for another "
+        "request"
+    ),
     503: "Not available: see the body",
 }
 

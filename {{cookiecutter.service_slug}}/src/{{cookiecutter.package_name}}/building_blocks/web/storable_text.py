@@ -1,10 +1,16 @@
 """Refusing, before any route reads it, text no database stores alike: NUL, unpaired surrogates and
-invalid UTF-8, wherever they are (path, query, a JSON or form body, keys included)."""
+invalid UTF-8, wherever they are (path, query, a JSON or form body, keys included); and, in a JSON
+body, numbers JSON has no finite value for: ``NaN``, ``Infinity``, ``-Infinity`` and literals
+beyond the float range (``1e400``). Python's parser reads them (as nan and inf), so a model
+would hold a value no JSON encoder writes back, and the 422 that echoed it failed with a 500.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import re
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl
 
@@ -14,8 +20,15 @@ from starlette.types import Scope
 from ..kernel.text import is_storable, shorten
 
 UNSTORABLE_MESSAGE = "NUL characters, unpaired surrogates and invalid UTF-8 are not accepted in text"
+NON_FINITE_MESSAGE = (
+    "non-finite numbers (NaN, Infinity, or beyond the float range such as 1e400) are not accepted"
+)
 
 _RISKY_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
+# What a non-finite number needs: the words, an exponent of 3+ digits, or 200+ digits in a row
+# (a 2-digit exponent reaches 1e308 only with 210+ integer digits). Only a body with one of these
+# is parsed here a second time; a match inside a string is a false alarm the parse clears.
+_RISKY_NUMBER = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{200}")
 
 Location = list[str | int]
 
@@ -29,6 +42,23 @@ class Refused(Exception):  # noqa: N818 (a control-flow signal carrying the answ
 def unstorable(location: Location) -> Refused:
     error = {"type": "unstorable_text", "loc": location, "msg": UNSTORABLE_MESSAGE}
     return Refused(JSONResponse({"detail": [error]}, status_code=422))
+
+
+def non_finite(location: Location) -> Refused:
+    error = {"type": "non_finite_number", "loc": location, "msg": NON_FINITE_MESSAGE}
+    return Refused(JSONResponse({"detail": [error]}, status_code=422))
+
+
+class _NonFinite:
+    """Stands, in the parsed document, for a number that has no finite value."""
+
+
+_NON_FINITE = _NonFinite()
+
+
+def _finite_or_marker(literal: str) -> float | _NonFinite:
+    number = float(literal)
+    return number if math.isfinite(number) else _NON_FINITE
 
 
 def _refuse_unstorable_url(scope: Scope) -> None:
@@ -61,29 +91,33 @@ def _refuse_unstorable_json(body: bytes) -> None:
         raise unstorable(["body"]) from None
     if not is_storable(text):
         raise unstorable(["body"])
-    if _RISKY_ESCAPE.search(text) is None:
+    if _RISKY_ESCAPE.search(text) is None and _RISKY_NUMBER.search(text) is None:
         return
     try:
-        document = json.loads(text)
+        document = json.loads(text, parse_constant=lambda _: _NON_FINITE, parse_float=_finite_or_marker)
     except (ValueError, RecursionError):
         return  # malformed JSON: the route's own parser answers it
-    location = _first_unstorable(document)
-    if location is not None:
-        raise unstorable(["body", *location])
+    found = _first_refused(document)
+    if found is not None:
+        location, refusal = found
+        raise refusal(["body", *location])
 
 
-def _first_unstorable(document: Any) -> Location | None:  # noqa: ANN401 (any JSON value)
-    """Where the first unstorable string (value or key) sits; iterative, so depth costs no stack."""
+def _first_refused(document: Any) -> tuple[Location, Callable[[Location], Refused]] | None:  # noqa: ANN401
+    """Where the first unstorable string (value or key) or non-finite number sits, and the
+    refusal for it; iterative, so depth costs no stack."""
     stack: list[tuple[Location, Any]] = [([], document)]
     while stack:
         location, value = stack.pop()
         if isinstance(value, str):
             if not is_storable(value):
-                return location
+                return location, unstorable
+        elif value is _NON_FINITE:
+            return location, non_finite
         elif isinstance(value, dict):
             for key, item in value.items():
                 if not is_storable(key):
-                    return [*location, shorten(key)]
+                    return [*location, shorten(key)], unstorable
                 stack.append(([*location, key], item))
         elif isinstance(value, list):
             stack.extend(([*location, index], item) for index, item in enumerate(value))
