@@ -26,6 +26,7 @@ async def test_an_order_behind_a_table_lock_answers_503_within_the_statement_tim
     statement_timeout = 1.0
     port = free_port()
     token = token_for(build_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})))
+    headers = {"Authorization": f"Bearer {token}"}
     admin = await asyncpg.connect(plain_dsn(postgres_url))
     try:
         with service_process(
@@ -41,12 +42,10 @@ async def test_an_order_behind_a_table_lock_answers_503_within_the_statement_tim
             async with admin.transaction():
                 await admin.execute("LOCK TABLE orders IN ACCESS EXCLUSIVE MODE")
                 async with httpx.AsyncClient(base_url=base, timeout=statement_timeout + MARGIN) as client:
-                    response = await client.post(
-                        "/orders", json=ORDER, headers={"Authorization": f"Bearer {token}"}
-                    )
+                    response = await client.post("/orders", json=ORDER, headers=headers)
             # the lock is gone: the same order goes through (nothing was left half written)
             async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-                placed = await client.post("/orders", json=ORDER, headers={"Authorization": f"Bearer {token}"})
+                placed = await client.post("/orders", json=ORDER, headers=headers)
             orders = await admin.fetchval("SELECT count(*) FROM orders")
     finally:
         await admin.close()

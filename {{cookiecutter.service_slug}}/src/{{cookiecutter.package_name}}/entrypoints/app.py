@@ -28,8 +28,8 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
         description=DESCRIPTION,
         lifespan=lifespan(container, with_worker=with_worker),
         # What the edge answers for any operation: a refused header, an oversized body, text
-        # no database stores (see building_blocks/web).
-        responses=error_responses(400, 413, 422),
+        # no database stores, a database that did not answer in time (see building_blocks/web).
+        responses=error_responses(400, 413, 422, 503),
     )
     app.state.container = container
     app.state.units_of_work = container.units_of_work()

@@ -9,7 +9,7 @@ import ipaddress
 import signal
 import socket
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ..about import SERVICE_NAME
 from ..building_blocks.kernel.redaction import mask_credentials
@@ -46,14 +46,25 @@ async def serve(container: Container, listening: socket.socket, *, with_worker: 
     if settings.environment.value == "development":
         base = f"http://{socket_host(listening)}:{bound_port(listening)}"
         print_banner(settings, app, base, with_worker=with_worker)
-    await serve_app(app, listening, settings.logging.level)
+    await serve_app(app, listening, settings)
 
 
-async def serve_app(app: FastAPI, listening: socket.socket, log_level: str) -> None:
-    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT."""
+async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) -> None:
+    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT.
+
+    After the signal, requests still running after ``API__SHUTDOWN_TIMEOUT_SECONDS`` are
+    cancelled (their transactions roll back), so one stuck on a lock or a silent dependency
+    cannot hold the process; then the lifespan stops the rest within its own deadline."""
     import uvicorn  # noqa: PLC0415 (not needed by the other commands)
 
-    config = uvicorn.Config(app, log_config=None, lifespan="on", log_level=log_level.lower())
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        lifespan="on",
+        log_level=settings.logging.level.lower(),
+        # Annotated int, but handed to asyncio.timeout, which takes any number of seconds.
+        timeout_graceful_shutdown=cast("int", settings.api.shutdown_timeout_seconds),
+    )
     server = uvicorn.Server(config)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.

@@ -1,5 +1,5 @@
 """The worker command: processors and consumers until SIGTERM, then a graceful stop (processors
-first, then consumers and the connection).
+first, then consumers and the connection) within a hard deadline (``lifespan.stop_within_deadline``).
 
 With a port (``--port`` or ``WORKER__PORT``) the worker also serves ``/livez``, ``/readyz`` and
 ``/metrics`` there, so it can be probed and scraped; without one it listens on nothing, so any
@@ -14,6 +14,7 @@ import signal
 import socket
 
 from ..container import Container
+from .lifespan import stop_within_deadline
 from .serving import bound_port, serve_app, socket_host
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,7 @@ async def run_worker(container: Container) -> None:
     worker = container.worker()
     await worker.start()
     await stop.wait()
-    await worker.stop()  # processors first, then consumers and the connection
-    await container.database().dispose()
-    container.tracing().shutdown()
+    await stop_within_deadline(container, worker)
 
 
 async def serve_worker(container: Container, listening: socket.socket) -> None:
@@ -48,4 +47,4 @@ async def serve_worker(container: Container, listening: socket.socket) -> None:
 
     base = f"http://{socket_host(listening)}:{bound_port(listening)}"
     log.info("worker: /livez, /readyz and /metrics on %s", base)
-    await serve_app(create_worker_app(container), listening, container.settings().logging.level)
+    await serve_app(create_worker_app(container), listening, container.settings())
