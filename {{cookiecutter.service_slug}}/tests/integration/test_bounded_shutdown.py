@@ -1,7 +1,8 @@
 """Every process exits within its configured shutdown time, whatever its database does: a request
 stuck behind a table lock does not hold ``run`` past ``API__SHUTDOWN_TIMEOUT_SECONDS``, a worker
 whose database line went silent (packets dropped, not refused) still exits, and ``/readyz``
-answers 503 within ``API__READINESS_TIMEOUT_SECONDS`` instead of hanging.
+answers 503 within ``API__READINESS_TIMEOUT_SECONDS`` instead of hanging; a trace collector that
+accepts connections and never answers does not hold the exit either.
 
 Real processes on PostgreSQL; the silent line is the test TCP proxy frozen (sockets open, no byte
 forwarded). The asserted times are deadlines with a generous margin, never timings.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -179,3 +181,35 @@ async def test_readyz_answers_503_within_its_check_timeout_when_the_database_lin
     assert response.status_code == 503, response.text
     assert response.json()["checks"]["database"].startswith("error: no answer within 1 s"), response.text
     assert response.json()["checks"]["bus"] == "ok"
+
+
+async def test_a_silent_trace_collector_does_not_hold_the_exit(postgres_url: str) -> None:
+    """Spans waiting for export at SIGTERM, sent to a collector that accepts the connection and
+    never answers (the exporter's own timeout set far past the deadline)."""
+    api_shutdown, outbox_shutdown = 1.0, 2.0
+    port = free_port()
+    collector = socket.create_server(("127.0.0.1", 0))  # listens, never reads nor answers
+    with (
+        collector,
+        service_process(
+            postgres_url,
+            "api",
+            "--port",
+            str(port),
+            TELEMETRY__TRACING="otel",
+            OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.getsockname()[1]}",
+            OTEL_EXPORTER_OTLP_TIMEOUT="120",
+            OTEL_BSP_SCHEDULE_DELAY="100",  # the first export starts (and hangs) at once
+            API__SHUTDOWN_TIMEOUT_SECONDS=str(api_shutdown),
+            OUTBOX__SHUTDOWN_TIMEOUT_SECONDS=str(outbox_shutdown),
+        ) as process,
+    ):
+        base = f"http://127.0.0.1:{port}"
+        await until_answering(f"{base}/livez", process)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            for _ in range(3):  # spans of their own (the probes have none)
+                assert (await client.get("/asyncapi")).status_code == 200
+                await asyncio.sleep(0.3)
+        status = await exits_within(process, api_shutdown + outbox_shutdown + MARGIN)
+        stderr = process.stderr.read() if status is not None else ""  # type: ignore[union-attr]
+    assert status == 0, f"api did not exit within its shutdown time (status {status}): {stderr}"
