@@ -15,8 +15,10 @@ import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -26,8 +28,11 @@ from sqlalchemy.engine import make_url
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
+from {{ cookiecutter.package_name }}.entrypoints.stopping import (
+    FORCED_EXIT_GRACE_SECONDS,
+)
 
-from ..conftest import free_port, make_settings, token_for
+from ..conftest import SERVICE_URLS, free_port, make_settings, token_for
 from ..tcp_proxy import TcpProxy, tcp_proxy
 from .test_worker_endpoints import service_process
 
@@ -36,6 +41,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 MARGIN = 15.0
 QUICK = {"OUTBOX__POLLING_INTERVAL_SECONDS": "0.2", "OUTBOX__IDLE_POLLING_INTERVAL_SECONDS": "0.2"}
 JWT_SECRET = "bounded-shutdown-test-secret-0123456789abcdef"
+# Not Kafka: its client reaches the broker at the address the broker advertises, not through the
+# proxy (only the bootstrap connection would freeze).
+BROKERS = [
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("nats", marks=pytest.mark.nats),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
 
 
 def plain_dsn(url: str) -> str:
@@ -213,3 +225,45 @@ async def test_a_silent_trace_collector_does_not_hold_the_exit(postgres_url: str
         status = await exits_within(process, api_shutdown + outbox_shutdown + MARGIN)
         stderr = process.stderr.read() if status is not None else ""  # type: ignore[union-attr]
     assert status == 0, f"api did not exit within its shutdown time (status {status}): {stderr}"
+
+
+def broker_address(url: str) -> tuple[str, int]:
+    """Host and port of a broker URL (Kafka's is a bare ``host:port``)."""
+    parsed = urlsplit(url if "://" in url else f"kafka://{url}")
+    return parsed.hostname or "127.0.0.1", parsed.port or 0
+
+
+@pytest.mark.parametrize("transport", BROKERS)
+async def test_a_worker_whose_broker_line_froze_exits_within_its_shutdown_time(
+    postgres_url: str, transport: str
+) -> None:
+    """The broker's line goes silent, then SIGTERM: closing the connection is abandoned at the
+    deadline, and a client library that keeps waiting through the cancellation (NATS's did, for
+    14 s) is cut short by the forced exit. The margin is tighter than the others' (such a
+    library waits a fixed time of its own, whatever the shutdown timeout)."""
+    outbox_shutdown = 1.0
+    port = free_port()
+    host, broker_port = broker_address(SERVICE_URLS[transport])
+    async with tcp_proxy(host, broker_port) as proxy:
+        url = SERVICE_URLS[transport].replace(f"{host}:{broker_port}", f"127.0.0.1:{proxy.port}")
+        with service_process(
+            postgres_url,
+            "worker",
+            "--port",
+            str(port),
+            MESSAGE_BUS__TRANSPORT=transport,
+            MESSAGE_BUS__URL=url,
+            APPLICATION__NAMESPACE=f"shutdown-{uuid.uuid4().hex[:8]}",
+            OUTBOX__SHUTDOWN_TIMEOUT_SECONDS=str(outbox_shutdown),
+            **QUICK,
+        ) as process:
+            await until_answering(f"http://127.0.0.1:{port}/readyz", process)
+            proxy.freeze()
+            await asyncio.sleep(0.5)  # whatever the worker sends now is stuck on the line
+            status = await exits_within(process, 2 * outbox_shutdown + FORCED_EXIT_GRACE_SECONDS + 6)
+            stderr = process.stderr.read() if status is not None else ""  # type: ignore[union-attr]
+            if status is None:
+                process.kill()
+                process.wait()
+            proxy.thaw()
+    assert status == 0, f"the worker did not exit within its shutdown time (status {status}): {stderr}"

@@ -16,6 +16,7 @@ from ..building_blocks.kernel.redaction import mask_credentials
 from ..container import Container
 from ..settings import DEV_JWT_SECRET, Settings
 from .cli_errors import CliError
+from .stopping import FORCE_EXIT_STATE
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -66,6 +67,7 @@ async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) 
         timeout_graceful_shutdown=cast("int", settings.api.shutdown_timeout_seconds),
     )
     server = uvicorn.Server(config)
+    setattr(app.state, FORCE_EXIT_STATE, True)  # a process of its own: see ``stopping``
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
