@@ -195,6 +195,42 @@ async def test_readyz_answers_503_within_its_check_timeout_when_the_database_lin
     assert response.json()["checks"]["bus"] == "ok"
 
 
+async def test_a_request_on_a_frozen_database_line_answers_503_within_its_time_limits(
+    postgres_url: str,
+) -> None:
+    """The line goes silent under a running ``api``: a request answers 503 once the driver's own
+    time limit (statement timeout + 2 s) and the connect timeout have passed, instead of hanging."""
+    statement_timeout, connect_timeout = 1.0, 1.0
+    port = free_port()
+    token = token_for(
+        build_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})), roles=("outbox-admin",)
+    )
+    async with postgres_line(postgres_url) as (proxy, url):
+        with service_process(
+            url,
+            "api",
+            "--port",
+            str(port),
+            AUTH__JWT_SECRET=JWT_SECRET,
+            DATABASE__STATEMENT_TIMEOUT_SECONDS=str(statement_timeout),
+            DATABASE__CONNECT_TIMEOUT_SECONDS=str(connect_timeout),
+            API__SHUTDOWN_TIMEOUT_SECONDS="1",
+        ) as process:
+            base = f"http://127.0.0.1:{port}"
+            await until_answering(f"{base}/readyz", process)
+            proxy.freeze()
+            bound = 2 * (statement_timeout + 2) + connect_timeout + MARGIN  # pre-ping, then the query
+            async with httpx.AsyncClient(base_url=base, timeout=bound) as client:
+                try:
+                    response = await client.get(
+                        "/admin/outbox/pending", headers={"Authorization": f"Bearer {token}"}
+                    )
+                finally:
+                    proxy.thaw()
+    assert response.status_code == 503, response.text
+    assert response.json()["code"] == "database_unavailable"
+
+
 async def test_a_silent_trace_collector_does_not_hold_the_exit(postgres_url: str) -> None:
     """Spans waiting for export at SIGTERM, sent to a collector that accepts the connection and
     never answers (the exporter's own timeout set far past the deadline)."""
