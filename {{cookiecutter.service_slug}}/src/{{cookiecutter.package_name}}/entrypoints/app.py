@@ -28,8 +28,9 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
         description=DESCRIPTION,
         lifespan=lifespan(container, with_worker=with_worker),
         # What the edge answers for any operation: a refused header, a body too slow or too
-        # large, text no database stores or a non-finite number (see building_blocks/web).
-        responses=error_responses(400, 408, 413, 422),
+        # large, text no database stores or a non-finite number, a database that did not answer
+        # in time (see building_blocks/web).
+        responses=error_responses(400, 408, 413, 422, 503),
     )
     app.state.container = container
     app.state.units_of_work = container.units_of_work()

@@ -2,12 +2,15 @@
 answer) and metrics in the Prometheus text format; and the AsyncAPI document, on the API only.
 
 Liveness and readiness answer different questions. ``/readyz`` fails while a dependency is
-down: route no traffic here, but do not restart (a restart would not bring the database back).
+down or does not answer within ``API__READINESS_TIMEOUT_SECONDS`` (the checks run at once):
+route no traffic here, but do not restart (a restart would not bring the database back).
 ``/livez`` fails only when this process is stuck: a processor loop that stopped turning (see
 ``Worker.stalled``); then a restart is the cure. The API alone has no loop, so its ``/livez``
 only proves the event loop answers.
 """
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Response
@@ -39,13 +42,10 @@ def add_probe_routes(app: FastAPI, container: Container, *, worker: Worker | Non
 
     @app.get("/readyz", tags=["health"], responses={503: {"description": "The database or broker is down"}})
     async def readyz() -> JSONResponse:
-        checks: dict[str, str] = {}
-        for name, probe in (("database", container.database().ping), ("bus", container.bus().ping)):
-            try:
-                await probe()
-                checks[name] = "ok"
-            except Exception as error:  # noqa: BLE001 (reported, not raised)
-                checks[name] = f"error: {type(error).__name__}: {mask_credentials(str(error))}"
+        probes = {"database": container.database().ping, "bus": container.bus().ping}
+        timeout = container.settings().api.readiness_timeout_seconds
+        results = await asyncio.gather(*(_check(probe, timeout) for probe in probes.values()))
+        checks = dict(zip(probes, results, strict=True))
         ready = all(value == "ok" for value in checks.values())
         return JSONResponse(
             {"status": "ok" if ready else "unavailable", "checks": checks}, status_code=200 if ready else 503
@@ -54,6 +54,19 @@ def add_probe_routes(app: FastAPI, container: Container, *, worker: Worker | Non
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse, responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         return Response(generate_latest(container.metrics().registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _check(probe: Callable[[], Awaitable[None]], within_seconds: float) -> str:
+    """``ok`` or why not. Bounded (``API__READINESS_TIMEOUT_SECONDS``): a dependency whose line
+    went silent must fail the probe, not hang it (and pile up one stuck probe per period)."""
+    try:
+        async with asyncio.timeout(within_seconds):
+            await probe()
+    except TimeoutError:
+        return f"error: no answer within {within_seconds:g} s"
+    except Exception as error:  # noqa: BLE001 (reported, not raised)
+        return f"error: {type(error).__name__}: {mask_credentials(str(error))}"
+    return "ok"
 
 
 def add_asyncapi_route(app: FastAPI, container: Container) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -106,4 +106,6 @@ def server_config(app: FastAPI, api: ApiSettings, log_level: str) -> uvicorn.Con
         log_level=log_level.lower(),
         http=protocol_with_head_deadline(api.header_read_timeout_seconds),
         timeout_keep_alive=api.keep_alive_timeout_seconds,
+        # Annotated int, but handed to asyncio.timeout, which takes any number of seconds.
+        timeout_graceful_shutdown=cast("int", api.shutdown_timeout_seconds),
     )

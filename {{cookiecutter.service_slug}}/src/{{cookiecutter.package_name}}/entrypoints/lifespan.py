@@ -6,16 +6,17 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from fastapi import FastAPI
 
 from ..container import Container, startup_diagnostics
+from .stopping import FORCE_EXIT_STATE, stop_within_deadline
 
 
 def lifespan(
     container: Container, *, with_worker: bool
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """The app's lifespan: start-up diagnostics, the bus connected (and, for ``run``, the worker
-    started), and everything stopped in order on shutdown."""
+    started), and everything stopped in order, within a deadline, on shutdown."""
 
     @asynccontextmanager
-    async def run(_app: FastAPI) -> AsyncIterator[None]:
+    async def run(app: FastAPI) -> AsyncIterator[None]:
         startup_diagnostics(container)
         bus = container.bus()
         await bus.start()
@@ -25,11 +26,7 @@ def lifespan(
         try:
             yield
         finally:
-            if worker is not None:
-                await worker.stop()  # stops the bus too
-            else:
-                await bus.stop()
-            await container.database().dispose()
-            container.tracing().shutdown()
+            force_exit = bool(getattr(app.state, FORCE_EXIT_STATE, False))
+            await stop_within_deadline(container, worker, force_exit=force_exit)
 
     return run

@@ -16,6 +16,7 @@ from ..building_blocks.kernel.redaction import mask_credentials
 from ..container import Container
 from ..settings import DEV_JWT_SECRET, Settings
 from .cli_errors import CliError
+from .stopping import FORCE_EXIT_STATE
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -51,12 +52,17 @@ async def serve(container: Container, listening: socket.socket, *, with_worker: 
 
 async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) -> None:
     """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT, with the
-    time limits for slow clients (``API__HEADER_READ_TIMEOUT_SECONDS`` and the keep-alive)."""
+    time limits for slow clients (``API__HEADER_READ_TIMEOUT_SECONDS`` and the keep-alive).
+
+    After the signal, requests still running after ``API__SHUTDOWN_TIMEOUT_SECONDS`` are
+    cancelled (their transactions roll back), so one stuck on a lock or a silent dependency
+    cannot hold the process; then the lifespan stops the rest within its own deadline."""
     import uvicorn  # noqa: PLC0415 (not needed by the other commands)
 
     from .http_server import server_config  # noqa: PLC0415 (imports uvicorn)
 
     server = uvicorn.Server(server_config(app, settings.api, settings.logging.level))
+    setattr(app.state, FORCE_EXIT_STATE, True)  # a process of its own: see ``stopping``
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

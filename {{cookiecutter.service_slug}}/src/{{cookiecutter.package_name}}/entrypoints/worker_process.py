@@ -1,5 +1,5 @@
 """The worker command: processors and consumers until SIGTERM, then a graceful stop (processors
-first, then consumers and the connection).
+first, then consumers and the connection) within a hard deadline (``stopping``).
 
 With a port (``--port`` or ``WORKER__PORT``) the worker also serves ``/livez``, ``/readyz`` and
 ``/metrics`` there, so it can be probed and scraped; without one it listens on nothing, so any
@@ -15,6 +15,7 @@ import socket
 
 from ..container import Container
 from .serving import bound_port, serve_app, socket_host
+from .stopping import stop_within_deadline
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +38,7 @@ async def run_worker(container: Container) -> None:
     worker = container.worker()
     await worker.start()
     await stop.wait()
-    await worker.stop()  # processors first, then consumers and the connection
-    await container.database().dispose()
-    container.tracing().shutdown()
+    await stop_within_deadline(container, worker, force_exit=True)
 
 
 async def serve_worker(container: Container, listening: socket.socket) -> None:

@@ -27,6 +27,10 @@ class ApplicationSettings(BaseModel):
         return self.namespace or SERVICE_SLUG
 
 
+# What the driver's own bound adds to the server's statement timeout (see ``client_timeout_seconds``).
+CLIENT_TIMEOUT_MARGIN_SECONDS = 2.0
+
+
 class DatabaseSettings(BaseModel):
     """SQLite (aiosqlite) or PostgreSQL (asyncpg), chosen by the URL."""
 
@@ -39,6 +43,20 @@ class DatabaseSettings(BaseModel):
     # milliseconds) left idle this long: a process frozen inside one (a paused VM, a debugger)
     # would otherwise keep its rows locked, and no worker could take them, lease over or not.
     bookkeeping_idle_timeout_seconds: float = Field(default=60.0, gt=0)
+    # Every wait on the database has an end, so no request, delivery or shutdown waits for ever
+    # on a lock held elsewhere or on a line that went silent (packets dropped, not refused).
+    statement_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="PostgreSQL cancels a statement running longer (lock waits included)"
+    )
+    connect_timeout_seconds: float = Field(default=5.0, gt=0, description="Opening one connection")
+    pool_timeout_seconds: float = Field(default=10.0, gt=0, description="Waiting for a pooled connection")
+
+    @property
+    def client_timeout_seconds(self) -> float:
+        """How long the driver waits for any answer (a statement, a rollback, a close): a little
+        longer than the server's statement timeout, so on a live line the server cancels first
+        (a clean error, the transaction rolled back) and the client bound only ends a silent one."""
+        return self.statement_timeout_seconds + CLIENT_TIMEOUT_MARGIN_SECONDS
 
     @property
     def is_postgresql(self) -> bool:
@@ -46,9 +64,9 @@ class DatabaseSettings(BaseModel):
 
 
 class ApiSettings(BaseModel):
-    """Where `run` and `api` listen, the largest request body they read, how long a slow client
-    may take (the worker's probe server keeps the same time limits) and how long an
-    ``Idempotency-Key`` is remembered."""
+    """Where `run` and `api` listen, the largest request body they read, the time limits of their
+    HTTP server (the worker's probe server takes the same) and how long an ``Idempotency-Key``
+    is remembered."""
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
@@ -67,6 +85,12 @@ class ApiSettings(BaseModel):
     body_read_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
     # An idle kept-alive connection is closed after this long (uvicorn's timeout_keep_alive).
     keep_alive_timeout_seconds: int = Field(default=5, ge=1, le=3600)
+    shutdown_timeout_seconds: float = Field(
+        default=10.0, gt=0, description="After SIGTERM, requests still running this long are cancelled"
+    )
+    readiness_timeout_seconds: float = Field(
+        default=2.0, gt=0, description="A /readyz check (database, bus) not answering this long fails"
+    )
 
 
 class WorkerSettings(BaseModel):

@@ -3,6 +3,12 @@
 SQLite runs in WAL mode with a busy timeout, so the API and the worker (one process or two) can
 share the embedded file; PostgreSQL gets a normal pool. One ``AsyncSession`` serves one unit of
 work or one consumed message and is never shared between tasks.
+
+Every wait on the database is bounded, so a lock held elsewhere or a line gone silent ends in an
+error, never in a hang: PostgreSQL cancels a statement past ``statement_timeout`` (lock waits
+included), the driver gives up on any answer a little later (``command_timeout``: a rollback or a
+close on a silent line too), and connecting and waiting for a pooled connection have their own
+limits. SQLite's bound is its busy timeout.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class Database:
             engine = create_async_engine(
                 self.url,
                 echo=self.settings.echo,
+                pool_timeout=self.settings.pool_timeout_seconds,
                 connect_args={"timeout": self.settings.sqlite_busy_timeout_ms / 1000},
             )
             busy_ms = self.settings.sqlite_busy_timeout_ms
@@ -77,7 +84,19 @@ class Database:
             echo=self.settings.echo,
             pool_size=self.settings.pool_size,
             pool_pre_ping=True,
+            pool_timeout=self.settings.pool_timeout_seconds,
+            connect_args=self._postgres_connect_args({}),
         )
+
+    def _postgres_connect_args(self, server_settings: dict[str, str]) -> dict[str, Any]:
+        """asyncpg's time limits (see the module docstring) and ``server_settings``."""
+        settings = self.settings
+        statement_ms = max(1, int(settings.statement_timeout_seconds * 1000))
+        return {
+            "timeout": settings.connect_timeout_seconds,
+            "command_timeout": settings.client_timeout_seconds,
+            "server_settings": {"statement_timeout": f"{statement_ms}ms", **server_settings},
+        }
 
     def _create_bookkeeping_engine(self) -> AsyncEngine:
         """The processors' own writes (claims, lease renewals, stamps, releases).
@@ -99,12 +118,10 @@ class Database:
             # No pre-ping per checkout (a round trip per transaction on the hot path): a dead
             # connection fails the cycle, which the polling loop retries.
             pool_recycle=300,
-            connect_args={
-                "server_settings": {
-                    "synchronous_commit": "off",
-                    "idle_in_transaction_session_timeout": f"{idle_ms}ms",
-                }
-            },
+            pool_timeout=self.settings.pool_timeout_seconds,
+            connect_args=self._postgres_connect_args(
+                {"synchronous_commit": "off", "idle_in_transaction_session_timeout": f"{idle_ms}ms"}
+            ),
         )
 
     @asynccontextmanager

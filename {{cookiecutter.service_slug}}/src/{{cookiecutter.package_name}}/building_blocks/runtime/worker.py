@@ -1,8 +1,8 @@
 """The background half of the service: processors, consumers, listener, cleanup, sampler.
 
-``start()`` launches everything as tasks; ``stop()`` (SIGTERM) stops consuming, cancels the
-processor loops (an in-flight outcome is still written within the shutdown timeout, see
-``polling.source``), then the rest, and returns when all have ended.
+``start()`` launches everything as tasks; ``stop()`` (SIGTERM) cancels them all (an in-flight
+outcome is still written within the shutdown timeout, see ``polling.source``), waits at most that
+long (and a second), then closes the bus.
 """
 
 from __future__ import annotations
@@ -123,14 +123,26 @@ class Worker:
         return self._listener is not None and self._listener.connected.is_set()
 
     async def stop(self) -> None:
-        """Processors first (their in-flight outcomes still need the bus), then the bus."""
+        """Every task cancelled at once; the processor loops get the shutdown timeout to write
+        their in-flight outcomes (each cycle has that deadline, see ``polling.shutdown``) and a
+        second to unwind; then the bus is closed (the processors' publishes needed it).
+
+        A task still running then (a statement stuck on a silent database line) is left behind
+        and logged, never waited for: the process's own deadline ends what is left."""
         self._turning.clear()
-        for group in (self._loops, self._others):
-            for task in group:
-                task.cancel()
-            if group:
-                await asyncio.wait(group, timeout=self._shutdown_timeout + 1)
-            group.clear()
+        tasks = [*self._loops, *self._others]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=self._shutdown_timeout + 1)
+            if pending:
+                log.warning(
+                    "shutdown: %s still running after %g s; left behind",
+                    ", ".join(sorted(task.get_name() for task in pending)),
+                    self._shutdown_timeout + 1,
+                )
+        self._loops.clear()
+        self._others.clear()
         with contextlib.suppress(Exception):
             await self._bus.stop()
         log.info("worker stopped")

@@ -8,6 +8,7 @@ OpenAPI document, so a client generated from it knows every status an operation 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request, status
@@ -15,10 +16,21 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from ..domain.errors import ConcurrencyError, DomainError, NotFoundError
 from ..idempotency.keys import IdempotencyKeyReusedError
 from ..kernel.text import ECHO_LIMIT, shorten
+from ..persistence.failures import is_transient
+from ..persistence.outages import is_database_outage, is_database_timeout
+
+log = logging.getLogger(__name__)
+
+DATABASE_UNAVAILABLE = (
+    "the database did not answer in time (a lock held elsewhere, or the database is overloaded or "
+    "unreachable): nothing was changed, try again"
+)
 
 # A text field's pattern: no NUL (no database stores it alike; the edge refuses it, 422), so the
 # OpenAPI document says what the service accepts.
@@ -46,7 +58,7 @@ WHY = {
         "or a non-finite number in a JSON body), or an Idempotency-Key already used for another "
         "request"
     ),
-    503: "Not available: see the body",
+    503: "The database did not answer in time (code database_unavailable): nothing was changed, try again",
 }
 
 
@@ -77,8 +89,24 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = [_with_short_input(e) for e in jsonable_encoder(error.errors())]
         return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
 
+    async def database_unavailable(request: Request, error: Exception) -> JSONResponse:
+        """A statement past the statement timeout, no pooled connection in time, the database
+        unreachable, or a conflict still there after ``uow.run``'s retries: the transaction was
+        rolled back, so the caller may simply try again (not a 500 and a traceback)."""
+        if not (is_database_outage(error) or is_database_timeout(error) or is_transient(error)):
+            raise error  # a real fault: the server's 500 and its traceback in the log
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(error).__name__)
+        return JSONResponse(
+            {"detail": DATABASE_UNAVAILABLE, "code": "database_unavailable"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "1"},
+        )
+
     app.add_exception_handler(DomainError, domain_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    # OSError: asyncpg's own timeout on a silent line, and a refused connect, come out bare.
+    for database_error in (DBAPIError, PoolTimeoutError, OSError):
+        app.add_exception_handler(database_error, database_unavailable)
 
 
 def _with_short_input(error: dict[str, Any]) -> dict[str, Any]:
