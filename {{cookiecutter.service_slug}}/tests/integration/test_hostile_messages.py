@@ -508,7 +508,7 @@ LARGEST_HEADERS = {"rabbitmq": 131_072 - 1_200, "kafka": 1_040_000, "nats": 65_5
 LARGEST_MESSAGE = {
     "rabbitmq": 134_217_728 - 4_096,  # the body alone counts
     "kafka": 1_048_588 - 200,  # the batch's and the record's own framing
-    "nats": 1_048_576 - 16,
+    "nats": 1_048_576 - 128,  # the client adds Nats-Expected-Stream
     "redis": 16 * 1_048_576,
 }
 FOREIGN_HEADER_COUNT = 32  # what a copy keeps of other headers than the service's signed ones
@@ -607,3 +607,42 @@ async def test_the_largest_message_a_broker_accepts_is_dead_lettered_and_the_lin
         assert len(letter.body) > len(hostile.body) // 2
     assert [seen["message_id"] for seen in observer.seen] == [legit.message_id, after.message_id]
     assert set((await LEFTOVERS[transport](container)).values()) == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+@pytest.mark.parametrize("shape", ["headers", "body"])
+async def test_a_kafka_retry_copy_of_the_largest_record_is_bounded(start: Start, shape: str) -> None:
+    """A signed record whose handler fails is retried through a copy on the retry topic. Of the
+    largest record Kafka accepts, that copy used to be refused by the producer, and the consumer
+    sought back to the record instead, for ever (uncounted: the record never reached its dead
+    letter). Now a copy of many headers keeps the signed ones: the record is retried, counted,
+    and dead-lettered with the handler's error after the last attempt; a body that leaves no room
+    for the retry's headers dead-letters the record at once (``retry_too_large``). The partition
+    keeps flowing."""
+    attempts = 3  # the start fixture's MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS
+    runs = attempts if shape == "headers" else 1
+    container, observer = await start("kafka", failures=runs)
+    batch = HostileBatch(container, "kafka")
+    value = json.dumps({"counter_id": "c", "value": 7}).encode()
+    if shape == "headers":
+        batch.add("retried", value, "", extra=control_byte_headers("kafka", {}))
+    else:  # JSON allows the padding; the signature covers it
+        batch.add("retried", value + b" " * (LARGEST_MESSAGE["kafka"] - len(value) - 1_000), "")
+    (record,) = batch.messages
+    await PUBLISH_RAW["kafka"](container, batch.messages)
+    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, timeout=60), 90)
+    after = envelope(8)
+    await container.bus().publish(after)
+    await effects_become(container, ["consumed:8"], timeout=30)
+    await container.worker().stop()
+
+    assert list(letters) == [record.message_id]
+    letter = letters[record.message_id]
+    if shape == "headers":
+        assert letter.error.startswith("RuntimeError: observer failure"), letter.error
+        assert letter.headers["x-attempts"] == str(attempts)
+    else:
+        assert letter.error.startswith("retry_too_large:"), letter.error
+    assert [seen["message_id"] for seen in observer.seen] == [record.message_id] * runs + [after.message_id]
+    assert set((await LEFTOVERS["kafka"](container)).values()) == {0}
