@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from aiormq.exceptions import ChannelInvalidStateError
 from faststream.rabbit import RabbitBroker
 from faststream.rabbit.message import RabbitMessage as RabbitMessageType
 from pamqp.encode import field_table
@@ -62,10 +63,11 @@ class RabbitDelivery(ReceivedMessage):
         await self._message.reject()  # requeue=False: main -> DLX -> retry queue -> TTL -> main
 
     def _frame_max(self) -> int:
-        """The frame size negotiated on the connection this message came in on."""
+        """The frame size negotiated on the connection this message came in on (FastStream
+        consumes and publishes on one connection)."""
         try:
             return int(self._message.raw_message.channel.connection.connection_tune.frame_max)
-        except AttributeError:  # FastStream's TestRabbitBroker: no connection
+        except (AttributeError, ChannelInvalidStateError):  # TestRabbitBroker, or a closed channel
             return DEFAULT_FRAME_MAX
 
     async def dead_letter(self, error: str, attempt: int) -> None:
