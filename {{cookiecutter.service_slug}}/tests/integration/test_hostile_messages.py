@@ -497,3 +497,152 @@ async def test_a_refused_dead_letter_copy_leaves_no_rabbitmq_message_unacknowled
     await container.worker().stop()
     assert list(letters) == [batch.messages[0].message_id]
     assert set((await LEFTOVERS["rabbitmq"](container)).values()) == {0}
+
+
+# The largest message each broker accepts, made of headers or of body (bytes as the broker counts
+# them): RabbitMQ's content-header frame (frame_max, 128 KiB) and max_message_size (128 MiB);
+# JetStream's 64 KiB of headers and NATS's max_payload (1 MiB, headers included); Kafka's default
+# message.max.bytes (1,048,588 for the record batch; tansu has no limit of its own). Redis has none
+# at sizes a test can use (512 MB per entry): 1 MiB of headers and 16 MiB of body there.
+LARGEST_HEADERS = {"rabbitmq": 131_072 - 1_200, "kafka": 1_040_000, "nats": 65_536 - 600, "redis": 1_048_576}
+LARGEST_MESSAGE = {
+    "rabbitmq": 134_217_728 - 4_096,  # the body alone counts
+    "kafka": 1_048_588 - 200,  # the batch's and the record's own framing
+    "nats": 1_048_576 - 128,  # the client adds Nats-Expected-Stream
+    "redis": 16 * 1_048_576,
+}
+FOREIGN_HEADER_COUNT = 32  # what a copy keeps of other headers than the service's signed ones
+
+
+def header_weight(transport: str, headers: dict[str, Any]) -> int:
+    """A header block's size as ``transport`` counts it."""
+    if transport == "rabbitmq":
+        from pamqp.encode import field_table
+
+        return len(field_table(headers))
+    if transport == "nats":
+        return 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+    return sum(len(k) + len(v) for k, v in headers.items())
+
+
+def control_byte_headers(transport: str, base: dict[str, Any]) -> dict[str, Any]:
+    """``base`` plus headers of ``\\x01`` bytes (each escaped to four characters on a copy), up to
+    the largest block the broker accepts."""
+    headers = dict(base)
+    index = 0
+    while True:
+        candidate = headers | {f"x-h{index:05}": "\x01" * 100}
+        if header_weight(transport, candidate) > LARGEST_HEADERS[transport]:
+            return headers
+        headers, index = candidate, index + 1
+
+
+def largest_message(container: Container, transport: str, shape: str) -> HostileBatch:
+    batch = HostileBatch(container, transport)
+    if shape == "headers":
+        batch.add("largest-headers", LEGIT_BODY, "unsigned", signed=False)
+        message = batch.messages[0]
+        headers = control_byte_headers(transport, message.headers)
+        batch.messages[0] = Hostile(message.label, message.body, headers, "unsigned", message.message_id)
+    else:  # what room the message's few headers leave
+        batch.add("largest-body", b"", "unsigned", signed=False)
+        message = batch.messages[0]
+        size = LARGEST_MESSAGE[transport]
+        if transport in {"kafka", "nats"}:
+            size -= header_weight(transport, message.headers)
+        body = b"\x01" * size
+        batch.messages[0] = Hostile(message.label, body, message.headers, "unsigned", message.message_id)
+    return batch
+
+
+def connection_of(container: Container, transport: str) -> object:
+    """The service's RabbitMQ connection's transport: a reconnect replaces it."""
+    if transport != "rabbitmq":
+        return None
+    return container.bus().broker._connection.transport  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", ["headers", "body"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_the_largest_message_a_broker_accepts_is_dead_lettered_and_the_line_keeps_flowing(
+    start: Start, transport: str, shape: str
+) -> None:
+    """A copy larger than the broker accepts used to be a connection error on RabbitMQ (the whole
+    connection closed, the message came back, for ever), a refused copy on NATS (redelivered to
+    max_deliver, then dropped) and a record the producer refused on Kafka (the consumer sought
+    back for ever, the partition blocked). Now the copy is bounded: the hostile message ends in
+    the dead-letter destination with its reason and what was left out, the legitimate messages
+    around it are processed, nothing stays pending, and the connection stays up."""
+    container, observer = await start(transport)
+    connection = connection_of(container, transport)
+    batch = largest_message(container, transport, shape)
+    (hostile,) = batch.messages
+    await PUBLISH_RAW[transport](container, batch.messages)
+    legit = envelope(5)
+    await container.bus().publish(legit)
+
+    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, timeout=60), 90)
+    await effects_become(container, ["consumed:5"], timeout=30)
+    after = envelope(6)  # the line still flows, promptly
+    await container.bus().publish(after)
+    await effects_become(container, ["consumed:5", "consumed:6"], timeout=15)
+    await asyncio.sleep(1.0)  # three redelivery delays: a message still cycling would show
+    assert connection_of(container, transport) is connection  # RabbitMQ did not close it
+    await container.worker().stop()
+
+    assert list(letters) == [hostile.message_id]
+    (letter,) = letters.values()
+    assert letter.error.startswith("rejected: unsigned:"), letter.error
+    truncated = letter.headers.get("x-truncated", "")
+    if shape == "headers":
+        copied = [name for name in letter.headers if name.startswith("x-h")]
+        assert 0 < len(copied) <= FOREIGN_HEADER_COUNT
+        assert "headers:" in truncated
+        assert letter.body == hostile.body
+    elif letter.body != hostile.body:  # cut to what the broker takes, and said so
+        assert transport in {"kafka", "nats"}
+        assert "body:" in truncated
+        assert hostile.body.startswith(letter.body)
+        assert len(letter.body) > len(hostile.body) // 2
+    assert [seen["message_id"] for seen in observer.seen] == [legit.message_id, after.message_id]
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+@pytest.mark.parametrize("shape", ["headers", "body"])
+async def test_a_kafka_retry_copy_of_the_largest_record_is_bounded(start: Start, shape: str) -> None:
+    """A signed record whose handler fails is retried through a copy on the retry topic. Of the
+    largest record Kafka accepts, that copy used to be refused by the producer, and the consumer
+    sought back to the record instead, for ever (uncounted: the record never reached its dead
+    letter). Now a copy of many headers keeps the signed ones: the record is retried, counted,
+    and dead-lettered with the handler's error after the last attempt; a body that leaves no room
+    for the retry's headers dead-letters the record at once (``retry_too_large``). The partition
+    keeps flowing."""
+    attempts = 3  # the start fixture's MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS
+    runs = attempts if shape == "headers" else 1
+    container, observer = await start("kafka", failures=runs)
+    batch = HostileBatch(container, "kafka")
+    value = json.dumps({"counter_id": "c", "value": 7}).encode()
+    if shape == "headers":
+        batch.add("retried", value, "", extra=control_byte_headers("kafka", {}))
+    else:  # JSON allows the padding; the signature covers it
+        batch.add("retried", value + b" " * (LARGEST_MESSAGE["kafka"] - len(value) - 1_000), "")
+    (record,) = batch.messages
+    await PUBLISH_RAW["kafka"](container, batch.messages)
+    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, timeout=60), 90)
+    after = envelope(8)
+    await container.bus().publish(after)
+    await effects_become(container, ["consumed:8"], timeout=30)
+    await container.worker().stop()
+
+    assert list(letters) == [record.message_id]
+    letter = letters[record.message_id]
+    if shape == "headers":
+        assert letter.error.startswith("RuntimeError: observer failure"), letter.error
+        assert letter.headers["x-attempts"] == str(attempts)
+    else:
+        assert letter.error.startswith("retry_too_large:"), letter.error
+    assert [seen["message_id"] for seen in observer.seen] == [record.message_id] * runs + [after.message_id]
+    assert set((await LEFTOVERS["kafka"](container)).values()) == {0}

@@ -19,7 +19,10 @@ handler runs):
 * an error the wrapper itself did not expect (a bug, an ack or a retry step that failed) still
   ends the message, never leaving it unacknowledged: it is handled like a handler failure
   (redelivered while attempts remain, dead-lettered with the error at the limit, or at once when
-  the attempt is unknown). If the dead-letter copy is refused too, the message goes back through
+  the attempt is unknown). A copy is bounded and sized against the transport's limit before it
+  is published, and one refused all the same is sent again minimal (transports/copies.py): a
+  message's size never reaches the connection. If the dead-letter copy is refused too (its
+  destination is gone, the broker is down), the message goes back through
   the transport's retry step (counted, so the guard above dead-letters it once the destination
   takes copies again); if even that fails the connection is gone, and the broker redelivers on
   its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer).

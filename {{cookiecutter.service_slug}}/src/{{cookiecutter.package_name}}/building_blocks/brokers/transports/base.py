@@ -11,7 +11,9 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
   would never write was forged or mangled on the way, and with it the retries can no longer be
   bounded, so the message is rejected (``malformed_header``) instead of trusted or crashed on;
 * copy header values onto dead-letter copies only as one line of valid UTF-8 text, bounded
-  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself;
+  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself; and size each
+  copy against what the broker accepts before publishing it (copies.py): an oversized copy used
+  to close a RabbitMQ or NATS connection, or block a Kafka partition;
 * where FastStream's own parser fails on what a broker can carry (Redis, Kafka), parse a
   readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message.
 """

@@ -65,7 +65,7 @@ from ...messaging.envelope import Envelope
 from ..naming import EndpointNames
 from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, fallback_parser, undecoded_body
-from .kafka_delivery import NOT_BEFORE, KafkaDelivery, readable_headers, retry_wait
+from .kafka_delivery import MAX_REQUEST_SIZE, NOT_BEFORE, KafkaDelivery, readable_headers, retry_wait
 from .kafka_topics import TOPIC_EXISTS, KafkaAdmin, KafkaTopologyError, aiokafka_admin
 from .ports import DeadLetterCopy, DeliveryHandler
 
@@ -90,7 +90,10 @@ class KafkaTransport(FastStreamTransport):
         self._registry = registry
         self._admin = admin
         self._bootstrap = settings.url or "localhost:9092"
-        self.broker = KafkaBroker(self._bootstrap, acks="all", logger=BROKER_LOG)
+        # max_request_size stated, not defaulted: the consumer's copies are sized against it.
+        self.broker = KafkaBroker(
+            self._bootstrap, acks="all", max_request_size=MAX_REQUEST_SIZE, logger=BROKER_LOG
+        )
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
         from faststream.kafka.opentelemetry import KafkaTelemetryMiddleware  # noqa: PLC0415

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from faststream.redis import RedisBroker
 from faststream.redis.message import RedisStreamMessage as RedisStreamMessageType
+from redis.exceptions import ResponseError
 
 from .base import ReceivedMessage
+from .copies import NO_LIMIT, publish_copy
 from .headers import dead_letter_headers
 
 
@@ -53,9 +55,14 @@ class RedisDelivery(ReceivedMessage):
         del attempt  # left pending: the reclaimer delivers it again after min_idle_time
 
     async def dead_letter(self, error: str, attempt: int) -> None:
-        await self._broker.publish(
-            self.body,
-            stream=self._dlq,
-            headers=dead_letter_headers(self.headers, error, attempt, self._stream),
+        async def publish(body: bytes, headers: dict[str, str]) -> None:
+            await self._broker.publish(body, stream=self._dlq, headers=headers)
+
+        headers, essentials = dead_letter_headers(self.headers, error, attempt, self._stream)
+        # A stream entry may hold up to 512 MB (proto-max-bulk-len), and the copy's body is the
+        # original's: only the headers are bounded (by dead_letter_headers). An error reply about
+        # this entry (a server over maxmemory refusing a large write) gets the minimal copy.
+        await publish_copy(
+            publish, self.body, headers, essentials=essentials, limit=NO_LIMIT, refusals=(ResponseError,)
         )
         await self._message.ack()
