@@ -17,11 +17,13 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.pool import QueuePool
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from ...settings import DatabaseSettings
@@ -64,8 +66,8 @@ class Database:
             engine = create_async_engine(
                 self.url,
                 echo=self.settings.echo,
-                pool_timeout=self.settings.pool_timeout_seconds,
                 connect_args={"timeout": self.settings.sqlite_busy_timeout_ms / 1000},
+                **self._sqlite_pool_limits(),
             )
             busy_ms = self.settings.sqlite_busy_timeout_ms
 
@@ -87,6 +89,15 @@ class Database:
             pool_timeout=self.settings.pool_timeout_seconds,
             connect_args=self._postgres_connect_args({}),
         )
+
+    def _sqlite_pool_limits(self) -> dict[str, Any]:
+        """The pool wait limit where SQLite connections are pooled: SQLAlchemy before 2.1 opens a
+        file database per use (``NullPool``), which takes no ``pool_timeout``."""
+        dialect = cast("type[DefaultDialect]", self.url.get_dialect(_is_async=True))
+        pool_class = dialect.get_pool_class(self.url)
+        if issubclass(pool_class, QueuePool):
+            return {"pool_timeout": self.settings.pool_timeout_seconds}
+        return {}
 
     def _postgres_connect_args(self, server_settings: dict[str, str]) -> dict[str, Any]:
         """asyncpg's time limits (see the module docstring) and ``server_settings``."""
