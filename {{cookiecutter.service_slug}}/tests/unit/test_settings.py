@@ -16,6 +16,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanK
 from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import LIMITS
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
+    MessageBusSettings,
     Settings,
 )
 
@@ -216,8 +217,27 @@ def test_the_header_total_can_never_refuse_headers_each_within_its_limit() -> No
     """Every signed header at its own limit (an identity the API accepts at its byte limit) fits
     in the smallest MESSAGE_BUS__MAX_HEADER_BYTES accepted."""
     at_limits = sum(len(name) + limit for name, limit in LIMITS.items())
-    minimum = 2048
+    field = MessageBusSettings.model_fields["max_header_bytes"]
+    minimum = next(rule.ge for rule in field.metadata if hasattr(rule, "ge"))
     assert at_limits <= minimum
     assert settings(message_bus={"max_header_bytes": minimum}).message_bus.max_header_bytes == minimum
     with pytest.raises(ValidationError, match="max_header_bytes"):
         settings(message_bus={"max_header_bytes": at_limits - 1})
+
+
+@pytest.mark.parametrize(
+    ("outbox", "database"),
+    [({}, {}), ({"batch_size": 500, "delivery_timeout_seconds": 200}, {"pool_size": 5})],
+    ids=["defaults", "large-batch-small-pool"],
+)
+def test_the_default_liveness_outlasts_a_batch_whose_every_handler_hangs(
+    outbox: dict[str, object], database: dict[str, object]
+) -> None:
+    """Handlers run a pool's worth at a time, each up to its time limit: a worker busy with a
+    batch of hung handlers turns its loop only after all those rounds, and must not be
+    restarted by /livez meanwhile (the default was the lease plus three idle intervals)."""
+    chosen = settings(outbox=outbox, database=database)
+    room = min(chosen.outbox.delivery_concurrency, chosen.database.pool_size)
+    rounds = -(-chosen.outbox.batch_size // room)
+    assert chosen.liveness_timeout_seconds > rounds * chosen.outbox.delivery_timeout_seconds
+    assert chosen.liveness_timeout_seconds > chosen.outbox.lease_seconds

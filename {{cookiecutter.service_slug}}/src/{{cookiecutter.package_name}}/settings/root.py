@@ -11,6 +11,7 @@ as ``outbox_enabled`` / ``inbox_enabled``; code never reads the raw fields.
 
 from __future__ import annotations
 
+import math
 from typing import Self
 
 from pydantic import model_validator
@@ -58,13 +59,19 @@ class Settings(BaseSettings):
 
     @property
     def liveness_timeout_seconds(self) -> float:
-        """How long a processor loop may go without a turn before ``/livez`` fails: a cycle is
-        bounded by its deliveries' time limit (below the lease), and between
-        cycles a loop sleeps at most its idle interval; three of those leave room for a slow
-        database without restarting a worker that is merely busy."""
+        """How long a processor loop may go without a turn before ``/livez`` fails. The longest
+        cycle is the lease, or a batch whose every delivery runs handlers and hangs to its time
+        limit: those run a pool's worth at a time (``source.py``), so ``ceil(batch / room)``
+        rounds of ``OUTBOX__DELIVERY_TIMEOUT_SECONDS`` (600 s at the defaults: a worker merely
+        busy with hung handlers must not be restarted for it). Between cycles a loop sleeps at
+        most its idle interval; three of those leave room for a slow database."""
         outbox = self.outbox
         idle = max(outbox.polling_interval_seconds, outbox.idle_polling_interval_seconds)
-        return self.worker.liveness_timeout_seconds or outbox.lease_seconds + 3 * idle
+        room = min(outbox.delivery_concurrency, self.database.pool_size)
+        longest_cycle = max(
+            outbox.lease_seconds, math.ceil(outbox.batch_size / room) * outbox.delivery_timeout_seconds
+        )
+        return self.worker.liveness_timeout_seconds or longest_cycle + 3 * idle
 
     @model_validator(mode="after")
     def _refuse_a_liveness_shorter_than_a_sleep(self) -> Self:

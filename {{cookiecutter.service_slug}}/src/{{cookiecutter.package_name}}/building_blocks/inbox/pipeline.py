@@ -139,7 +139,7 @@ class ConsumePipeline:
 
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
         message_id, event_name = envelope.message_id, envelope.event_name
-        digest = hashlib.sha256(envelope.body).hexdigest()
+        digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
         async with self._units() as uow:
             if self._inbox:
                 if await self._already_consumed(uow.session, message_id, consumer.name, digest):

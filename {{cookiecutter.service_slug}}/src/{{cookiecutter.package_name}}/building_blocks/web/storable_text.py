@@ -27,8 +27,9 @@ NON_FINITE_MESSAGE = (
 _RISKY_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
 # What a non-finite number needs: the words, an exponent of 3+ digits, or 200+ digits in a row
 # (a 2-digit exponent reaches 1e308 only with 210+ integer digits). Only a body with one of these
-# is parsed here a second time; a match inside a string is a false alarm the parse clears.
-_RISKY_NUMBER = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|[0-9]{200}")
+# is parsed here a second time; a match inside a string is a false alarm the parse clears. The
+# digit run matches only at its start: tried at every digit, a long run cost quadratic time.
+_RISKY_NUMBER = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|(?<![0-9])[0-9]{200}")
 
 Location = list[str | int]
 
