@@ -2,7 +2,9 @@
 
 Every outcome is guarded on the row id and the lock token *only* (no ``locked_until`` term): an
 expired lease still lands while no other replica has claimed the row, and a row another replica
-re-claimed under a new token is never overwritten. ``RETURNING id`` says which rows were still
+re-claimed under a new token is never overwritten. The one exception is the release of a claim
+a stop interrupted (``release_claimed``): its ids are unknown, and the claim's own lease end,
+which nothing has moved yet, lets an index find its rows. ``RETURNING id`` says which rows were still
 ours: rowcount is not reliable across drivers (-1 for executemany on asyncpg and for ``WITH``
 statements on SQLite).
 """
