@@ -7,7 +7,8 @@
   inside its statement, after its snapshot, until the test lets it go.
 * The claim commits on its own. A stop that arrives after the server committed it and before the
   rows reached the cycle used to leave the whole batch leased for a lease under a token nobody
-  held; the cycle now gives those rows back, uncharged.
+  held; the cycle now gives those rows back, uncharged. So it does when the stop cancels a claim
+  whose COMMIT lands only afterwards: the release waits for the cancelled claim to end.
 """
 
 from __future__ import annotations
@@ -254,8 +255,8 @@ def stop_after_commit(source: Any, cycle: Callable[[], asyncio.Task[Any]]) -> No
     come back from the database (where a connection returns to its pool)."""
     original = source.claim
 
-    async def claim_then_stop(token: uuid.UUID) -> list[ClaimedRow]:
-        rows: list[ClaimedRow] = await original(token)
+    async def claim_then_stop(token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        rows: list[ClaimedRow] = await original(token, now)
         cycle().cancel()
         await asyncio.sleep(0.05)  # the rows' way back to the cycle, where the stop arrives
         return rows
@@ -274,12 +275,59 @@ async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(conta
     with pytest.raises(asyncio.CancelledError):
         await cycle
     assert deliverer.delivered == []
+    await given_back(container, ids, clock)
+
+
+async def given_back(container: Container, ids: list[uuid.UUID], clock: FakeClock) -> None:
+    """The rows are free, uncharged, and claimable again at once (not after the lease)."""
     for row_id in ids:
         current = await state(container, row_id)
         assert (current.lock_token, current.locked_until, current.locked_by) == (None, None, None)
         assert (current.retry_count, current.processed_on, current.last_error) == (0, None, None)
     again = await outbox_source(container, ScriptedDeliverer(), clock, batch_size=10).claim(uuid.uuid4())
-    assert sorted(r.id for r in again) == sorted(ids)  # claimable again at once, not after the lease
+    assert sorted(r.id for r in again) == sorted(ids)
+
+
+async def test_a_claim_whose_commit_lands_after_the_stop_cancelled_it_is_given_back(
+    container: Container,
+) -> None:
+    """A claim that has not answered within half the deadline is cancelled, but its COMMIT may
+    already be with the server and land afterwards. A release that did not wait for the
+    cancelled claim read the table before that commit, found nothing, and left the batch leased
+    for a whole lease; the release now waits for the claim to end (within the deadline)."""
+    clock = FakeClock()
+    ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(10)])
+    source = outbox_source(container, ScriptedDeliverer(), clock, batch_size=10, shutdown_timeout_seconds=2)
+    real_claim, real_release = source.claim, source.leases.release_claimed
+    claiming, released = asyncio.Event(), asyncio.Event()
+
+    async def commits_after_the_cancel(token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        claiming.set()
+        try:
+            await asyncio.sleep(30)  # no answer within half the deadline: the stop cancels it ...
+        except asyncio.CancelledError:
+            # ... while its COMMIT is on its way: it lands after a release that does not wait for
+            # it, and before one that does (which would wait for it the whole 0.2 s).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(released.wait(), 0.2)
+            await real_claim(token, now)
+            raise
+        return []
+
+    async def noted_release(*args: Any) -> set[uuid.UUID]:
+        given = await real_release(*args)
+        released.set()
+        return given
+
+    source.claim = commits_after_the_cancel  # type: ignore[method-assign]
+    source.leases.release_claimed = noted_release  # type: ignore[method-assign]
+    cycle = asyncio.create_task(source.run_cycle())
+    await asyncio.wait_for(claiming.wait(), 10)
+    cycle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cycle
+    assert released.is_set()
+    await given_back(container, ids, clock)
 
 
 async def test_a_stop_during_a_claim_that_hangs_ends_within_the_shutdown_timeout(
@@ -292,8 +340,8 @@ async def test_a_stop_during_a_claim_that_hangs_ends_within_the_shutdown_timeout
     source = outbox_source(container, ScriptedDeliverer(), clock, shutdown_timeout_seconds=1.0)
     claiming = asyncio.Event()
 
-    async def hangs(token: uuid.UUID) -> list[ClaimedRow]:
-        del token
+    async def hangs(token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        del token, now
         claiming.set()
         await asyncio.sleep(30)  # a claim whose database stopped answering
         return []

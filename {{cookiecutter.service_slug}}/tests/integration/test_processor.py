@@ -8,7 +8,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import urlparse
 
@@ -265,9 +265,9 @@ def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
 
     original = TableSource.claim
 
-    async def claim(self: TableSource, token: uuid.UUID) -> list[ClaimedRow]:
+    async def claim(self: TableSource, token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
         self.last_token = token  # type: ignore[attr-defined]
-        return await original(self, token)
+        return await original(self, token, now)
 
     monkeypatch.setattr(TableSource, "claim", claim)
 

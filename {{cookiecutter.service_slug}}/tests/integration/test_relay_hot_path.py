@@ -6,7 +6,8 @@
   re-claimed row is not stamped; a failed statement fails every stamp of its group; a dropped
   connection is tried again);
 * an empty table waits the idle interval only while the wake is reliable;
-* the claim's plan on PostgreSQL uses its indexes, so a schema change cannot make it a scan.
+* the claim's plan on PostgreSQL uses its indexes, so a schema change cannot make it a scan;
+  so does the release of a claim a stop interrupted.
 
 Timing is not asserted here (that is ``make bench``): statements, rows and plans are.
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
@@ -218,17 +221,7 @@ async def test_the_claim_plan_uses_indexes_not_a_scan_of_the_outbox(postgres_url
         clock = FakeClock()
         await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
         await insert_rows(container, [row("kit.k.v1", clock.now, key=f"k-{i % 10}") for i in range(50)])
-        async with container.database().bookkeeping() as connection:
-            await connection.execute(
-                sa.text(
-                    "INSERT INTO outbox_messages (id, seq, event_name, kind, payload, occurred_on, "
-                    "available_on, processed_on, retry_count) "
-                    "SELECT gen_random_uuid(), nextval(pg_get_serial_sequence('outbox_messages', 'seq')), "
-                    "'kit.done.v1', 'integration', '{}', now(), now(), now(), 0 "
-                    "FROM generate_series(1, 20000)"
-                )
-            )
-            await connection.execute(sa.text("ANALYZE outbox_messages"))
+        await processed_history(container)
         source = outbox_source(container, ScriptedDeliverer(), clock)
         plan = await explained(container, source)
         assert "Seq Scan on outbox_messages" not in plan, plan
@@ -237,21 +230,71 @@ async def test_the_claim_plan_uses_indexes_not_a_scan_of_the_outbox(postgres_url
         await container.database().dispose()
 
 
-async def explained(container: Container, source: TableSource) -> str:
-    """The plan of the real claim statement with its real parameters: ``EXPLAIN`` is put in
-    front of it on its way to the driver, so it is planned but never run."""
+@pytest.mark.postgres
+async def test_the_release_of_an_interrupted_claim_uses_an_index_not_a_scan_of_the_outbox(
+    postgres_url: str,
+) -> None:
+    """A stop during the claim gives the batch back by its token within half the shutdown
+    deadline: on a table with a long processed history a scan would not finish in time, and the
+    batch would stay leased for a whole lease."""
+    container = build_container(make_settings(postgres_url))
+    try:
+        clock = FakeClock()
+        await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
+        source = outbox_source(container, ScriptedDeliverer(), clock, batch_size=10)
+        token = uuid.uuid4()
+        until = (await source.claim(token))[0].locked_until
+        await processed_history(container)
+        lines = await explained_statement(
+            container, lambda connection: source.leases.release_claimed(connection, token, until)
+        )
+        plan = "\n".join(sorted(lines))
+        assert "Seq Scan on outbox_messages" not in plan, plan
+        assert "ix_outbox_messages_pending_locked" in plan, plan
+    finally:
+        await container.database().dispose()
+
+
+async def processed_history(container: Container) -> None:
+    """20,000 processed rows, analyzed: enough that a scan of the table is never the cheap plan."""
+    async with container.database().bookkeeping() as connection:
+        await connection.execute(
+            sa.text(
+                "INSERT INTO outbox_messages (id, seq, event_name, kind, payload, occurred_on, "
+                "available_on, processed_on, retry_count) "
+                "SELECT gen_random_uuid(), nextval(pg_get_serial_sequence('outbox_messages', 'seq')), "
+                "'kit.done.v1', 'integration', '{}', now(), now(), now(), 0 "
+                "FROM generate_series(1, 20000)"
+            )
+        )
+        await connection.execute(sa.text("ANALYZE outbox_messages"))
+
+
+async def explained_statement(
+    container: Container, run: Callable[[AsyncConnection], Awaitable[Iterable[Any]]]
+) -> list[str]:
+    """The plan of whatever ``run`` executes on a bookkeeping connection (``EXPLAIN`` is put in
+    front of it on its way to the driver: planned, never run); ``run`` returns its rows."""
     engine = container.database().bookkeeping_engine.sync_engine
 
     def explain(*args: Any) -> tuple[str, Any]:
         statement, parameters = args[2], args[3]
         return f"EXPLAIN (COSTS OFF) {statement}", parameters
 
-    clock = FakeClock()
-    params = {"now": clock.now, "lease_until": clock.now, "token": uuid.uuid4(), "locked_by": "plan"}
     sa.event.listen(engine, "before_cursor_execute", explain, retval=True)
     try:
         async with container.database().bookkeeping() as connection:
-            result = await connection.execute(source._claimer.statement, params)
-            return "\n".join(str(line[0]) for line in result.all())
+            return [str(line[0]) if isinstance(line, sa.Row) else str(line) for line in await run(connection)]
     finally:
         sa.event.remove(engine, "before_cursor_execute", explain)
+
+
+async def explained(container: Container, source: TableSource) -> str:
+    """The plan of the real claim statement with its real parameters."""
+    clock = FakeClock()
+    params = {"now": clock.now, "lease_until": clock.now, "token": uuid.uuid4(), "locked_by": "plan"}
+
+    async def claim(connection: AsyncConnection) -> list[Any]:
+        return list((await connection.execute(source._claimer.statement, params)).all())
+
+    return "\n".join(await explained_statement(container, claim))

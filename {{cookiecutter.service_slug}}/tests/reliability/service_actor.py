@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -183,9 +184,9 @@ class ProcessFigures:
     def count_claims(self, source: TableSource) -> None:
         claim = source.claim
 
-        async def counted(token: uuid.UUID) -> list[ClaimedRow]:
+        async def counted(token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
             self.claims += 1
-            return await claim(token)
+            return await claim(token, now)
 
         source.claim = counted  # type: ignore[method-assign]
 

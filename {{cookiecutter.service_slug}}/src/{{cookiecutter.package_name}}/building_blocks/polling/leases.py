@@ -2,7 +2,9 @@
 
 Every outcome is guarded on the row id and the lock token *only* (no ``locked_until`` term): an
 expired lease still lands while no other replica has claimed the row, and a row another replica
-re-claimed under a new token is never overwritten. ``RETURNING id`` says which rows were still
+re-claimed under a new token is never overwritten. The one exception is the release of a claim
+a stop interrupted (``release_claimed``): its ids are unknown, and the claim's own lease end,
+which nothing has moved yet, lets an index find its rows. ``RETURNING id`` says which rows were still
 ours: rowcount is not reliable across drivers (-1 for executemany on asyncpg and for ``WITH``
 statements on SQLite).
 """
@@ -68,20 +70,41 @@ class LeaseStore:
     async def release(
         self,
         connection: AsyncConnection,
-        ids: Collection[uuid.UUID] | None,
+        ids: Collection[uuid.UUID],
         token: uuid.UUID,
         *,
         error: str | None = None,
         until: datetime | None = None,
     ) -> set[uuid.UUID]:
         """Give rows back without charging a retry (failed in-process attempt, shutdown, open
-        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked).
-        ``ids=None`` gives back every row still leased under ``token`` (a claim whose answer
-        may never have arrived)."""
+        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked)."""
         values: dict[str, object] = {"locked_until": until, "lock_token": None, "locked_by": None}
         if error is not None:
             values["last_error"] = storable(error, MAX_ERROR_LENGTH)
-        ours = self._c.lock_token == token if ids is None else self._ours(ids, token)
+        return await self._give_back(connection, self._ours(ids, token), values)
+
+    async def release_claimed(
+        self, connection: AsyncConnection, token: uuid.UUID, lease_until: datetime
+    ) -> set[uuid.UUID]:
+        """Give back, uncharged, every row a claim leased under ``token`` until ``lease_until``
+        (a claim whose answer may never have arrived, so its ids are unknown).
+
+        No index covers ``lock_token``: the claim's ``locked_until`` and the pending predicate
+        let the pending/locked partial index find the rows, not a scan of the table's history.
+        """
+        c = self._c
+        ours = sa.and_(
+            c.lock_token == token,
+            c.locked_until == lease_until,
+            c.processed_on.is_(None),
+            c.dead_lettered_on.is_(None),
+        )
+        values: dict[str, object] = {"locked_until": None, "lock_token": None, "locked_by": None}
+        return await self._give_back(connection, ours, values)
+
+    async def _give_back(
+        self, connection: AsyncConnection, ours: sa.ColumnElement[bool], values: dict[str, object]
+    ) -> set[uuid.UUID]:
         statement = sa.update(self.table).where(ours).values(**values).returning(self._c.id)
         result = await connection.execute(statement)
         return {row[0] for row in result}

@@ -14,9 +14,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextlib import suppress
+from datetime import datetime
 from typing import TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..persistence.database import Database
 from .claimed import ClaimedRow
@@ -73,43 +76,56 @@ class CycleShutdown:
             task.cancel()
         unreached = [row for row in rows if row.id not in started]
         # Half the time for the deliveries, so the release of what they leave still fits.
-        remaining = max(0.0, self.deadline() - asyncio.get_running_loop().time())
-        await asyncio.gather(self.release(unreached, token), asyncio.wait(tasks, timeout=remaining / 2))
+        await asyncio.gather(
+            self.release(unreached, token), asyncio.wait(tasks, timeout=self._remaining() / 2)
+        )
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.release([row for row in rows if row.id in started], token)
 
-    async def claim(self, claim: Awaitable[list[ClaimedRow]], token: uuid.UUID) -> list[ClaimedRow]:
-        """Run the cycle's claim; if a cancellation interrupts it, give back what it leased.
+    async def claim(
+        self, claim: Awaitable[list[ClaimedRow]], token: uuid.UUID, lease_until: datetime
+    ) -> list[ClaimedRow]:
+        """Run the cycle's claim, which leases to ``token`` until ``lease_until``; if a
+        cancellation interrupts it, give back what it leased.
 
         The claim commits on its own, so a stop that lands after the server committed it (its
         answer on the way back, its connection returning to the pool) would leave the whole
         batch leased for a lease under a token nobody holds. The claim is let finish within half
-        the deadline (it may be committing), then every row still under its token is released,
-        uncharged: by token, since a claim cut short may have committed unheard.
+        the deadline (it may be committing), then cancelled, and its cancellation is awaited
+        within half of what is left: a COMMIT already sent lands when the server says so, and a
+        release that read the table before it would miss the rows. Then every row still under
+        the claim's token and lease end is released, uncharged: not by id, since a claim cut
+        short may have committed unheard.
         """
         task = asyncio.ensure_future(claim)
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
-            remaining = max(0.0, self.deadline() - asyncio.get_running_loop().time())
-            await asyncio.wait([task], timeout=remaining / 2)
+            await asyncio.wait([task], timeout=self._remaining() / 2)
             task.cancel()  # no-op once it is done
+            await asyncio.wait([task], timeout=self._remaining() / 2)  # the rest is the release's
             task.add_done_callback(_observed)
-            await self._release(None, token)
+            await self._give_back(
+                lambda connection: self._leases.release_claimed(connection, token, lease_until)
+            )
             raise
 
     async def release(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> None:
         if rows:
-            await self._release([row.id for row in rows], token)
+            ids = [row.id for row in rows]
+            await self._give_back(lambda connection: self._leases.release(connection, ids, token))
 
-    async def _release(self, ids: Collection[uuid.UUID] | None, token: uuid.UUID) -> None:
+    async def _give_back(self, release: Callable[[AsyncConnection], Awaitable[object]]) -> None:
         """Best effort within the deadline: rows not released wait out their lease."""
         with suppress(Exception):
             async with asyncio.timeout_at(self.deadline()):
                 async with self._db.bookkeeping() as connection:
-                    await self._leases.release(connection, ids, token)
+                    await release(connection)
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline() - asyncio.get_running_loop().time())
 
 
 def _observed(task: asyncio.Future[list[ClaimedRow]]) -> None:

@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import random
 import uuid
-from datetime import datetime, timedelta
+from datetime import datetime
 
 import sqlalchemy as sa
 
@@ -31,7 +31,7 @@ from ..persistence.database import Database
 from ..persistence.outages import is_database_outage
 from .claim import Claimer
 from .claimed import ClaimedRow
-from .leases import LeaseLostError, LeaseStore
+from .leases import LeaseLostError, LeaseStore, lease_until
 from .loop import CycleResult
 from .outcomes import Outcomes
 from .ports import CycleMetrics, Deliverer, SourceSettings
@@ -99,15 +99,16 @@ class TableSource:
 
     # -- the cycle -------------------------------------------------------------------------
 
-    async def claim(self, token: uuid.UUID) -> list[ClaimedRow]:
-        now = self._clock()
+    async def claim(self, token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        """Lease a batch to ``token`` at ``now`` (the clock's by default) for one lease."""
+        now = self._clock() if now is None else now
         self._last_claim_at = now
-        lease_until = now + timedelta(seconds=self.settings.lease_seconds)
+        until = lease_until(now, self.settings.lease_seconds)
         # A transaction of its own, not one autocommitted statement: on PostgreSQL the claim
         # holds its table's replay gate through its statement (``replay_gate``).
         async with self._db.bookkeeping() as connection:
             rows = await self._claimer.claim(
-                connection, now=now, lease_until=lease_until, token=token, locked_by=self._instance_id
+                connection, now=now, lease_until=until, token=token, locked_by=self._instance_id
             )
         # The claim's own rows give the backlog age: no MIN() query.
         age = (now - min(row.occurred_on for row in rows)).total_seconds() if rows else 0.0
@@ -124,7 +125,11 @@ class TableSource:
         """
         token = uuid.uuid4()
         self._shutdown = self._new_shutdown()
-        rows = await self._shutdown.claim(self.claim(token), token)  # a stop here releases them
+        now = self._clock()
+        # The cycle knows the claim's lease end before the claim runs: a stop during the claim
+        # gives the batch back by token and lease end, whose index finds it (``LeaseStore``).
+        until = lease_until(now, self.settings.lease_seconds)
+        rows = await self._shutdown.claim(self.claim(token, now), token, until)  # a stop here releases them
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
         # Handlers each hold a database session: no more at once than the pool has connections.
         handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
