@@ -246,6 +246,10 @@ def make_settings(database_url: str, **sections: dict[str, Any]) -> Settings:
     }
     for section, overrides in sections.items():
         values[section] = {**values.get(section, {}), **overrides}
+    bus, outbox = values["message_bus"], values["outbox"]
+    if bus.get("transport", "inprocess") == "inprocess" and "delivery_timeout_seconds" in outbox:
+        # In-process, a consumer runs inside a delivery: its limit must be shorter (settings).
+        bus.setdefault("handler_timeout_seconds", outbox["delivery_timeout_seconds"] / 2)
     return Settings(_env_file=None, **values)  # type: ignore[call-arg]
 
 

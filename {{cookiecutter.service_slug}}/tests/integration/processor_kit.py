@@ -10,6 +10,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
 from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     SpanKind,
 )
@@ -45,11 +46,12 @@ class ScriptedDeliverer:
         del row
         return SpanKind.INTERNAL
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
         del token
         self.delivered.append(row)
         if self.script is not None:
-            return await self.script(row)
+            async with limit():  # the script stands for the handlers or the publish
+                return await self.script(row)
         return Delivered.NEEDS_STAMP
 
 

@@ -6,6 +6,7 @@ still delivering. The consumer side's limit is in test_brokers.py."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections import Counter as Tally
@@ -29,14 +30,23 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import Counter, Counters, Noted, RecordEffect, install_kit, record_effect
+from ..kit import (
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Noted,
+    RecordEffect,
+    install_kit,
+    record_effect,
+)
 from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row
 
 pytestmark = pytest.mark.integration
 HANG = "hang"
-# A one-second limit; the lease leaves room for it and its margin, and a publish cannot be longer.
+# A one-second limit; the lease leaves room for it and its margin, and a publish cannot be longer
+# (nor, on the in-process transport, a consumer's handler run).
 LIMITED = {"delivery_timeout_seconds": 1, "lease_seconds": 10, "processing_delay_seconds": 0}
-PUBLISH = {"publish_timeout_seconds": 1}
+PUBLISH = {"publish_timeout_seconds": 1, "handler_timeout_seconds": 0.5}
 
 
 class HangsOnce:
@@ -233,3 +243,144 @@ async def _two_replicas_publish(container: Container) -> None:
         await asyncio.gather(polling_b, return_exceptions=True)
     assert overlaps == [], "a row was published by two replicas at once"
     assert sorted(r.id for r in deliverer.delivered) == sorted(ids)
+
+
+async def test_a_follow_on_delivery_after_the_stamp_is_not_charged_to_the_stamped_row(
+    make_container: ContainerFactory, database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The limit covers a row's handlers, not its commit: the commit stamps the row and then
+    delivers the events its handlers raised (after-commit), each under its own limit. A quick
+    handler whose follow-on event hangs must leave its row stamped, with no "lease lost" (log or
+    ``outbox_lost_leases_total``), and the follow-on row failed by its own limit. Both paths: the
+    processor (the row written by a producer-only host) and the API's after-commit dispatch."""
+    writer = make_container(outbox={**LIMITED, "immediate_dispatch": False}, message_bus=PUBLISH)
+    await install_kit(writer)
+    container = make_container(
+        outbox={**LIMITED, "max_retries": 5, "retry_backoff_base_seconds": 30}, message_bus=PUBLISH
+    )
+    await install_kit(container, create_tables=False)
+    hangs = HangsOnce()
+
+    async def raises_a_follow_on(event: Noted, uow: SqlUnitOfWork) -> None:
+        if event.text in {"via-processor", "via-api"}:
+            follow_on = Counter.create("acme")
+            follow_on.note(HANG)
+            uow.repository(Counters).add(follow_on)
+            return
+        await hangs(event, uow)
+
+    container.handlers().on_domain_event(Noted, raises_a_follow_on)
+    registry = container.metrics().registry
+
+    def lost() -> float:
+        return registry.get_sample_value("outbox_lost_leases_total", {"source": "outbox"}) or 0.0
+
+    caplog.set_level(logging.WARNING)
+    await note(writer, "via-processor")  # left to the processor
+    await container.worker().start()
+    try:
+
+        async def followed_on() -> bool:
+            first = (await noted_rows(container)).get("via-processor")
+            return first is not None and first.processed_on is not None and hangs.hung >= 1
+
+        await until(followed_on, timeout=20)
+        await asyncio.sleep(2.5)  # past the first row's limit, had it covered the follow-on
+    finally:
+        await asyncio.wait_for(container.worker().stop(), 30)
+    await asyncio.wait_for(note(container, "via-api"), timeout=15)  # dispatched after the commit
+    await asyncio.sleep(0.5)
+    rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.event_name == "kit.noted.v1"))
+    stamped = [r for r in rows if r.payload["text"] != HANG]
+    assert sorted(r.payload["text"] for r in stamped) == ["via-api", "via-processor"]
+    assert all(r.processed_on is not None and r.retry_count == 0 for r in stamped), stamped
+    follow_ons = [r for r in rows if r.payload["text"] == HANG]
+    assert len(follow_ons) == 2
+    assert hangs.hung >= 2
+    for follow_on in follow_ons:
+        assert follow_on.processed_on is None
+        assert "delivery timed out after 1 s" in (follow_on.last_error or "")
+    assert lost() == 0.0
+    messages = [record.getMessage() for record in caplog.records]
+    assert not [m for m in messages if "lease lost" in m], messages
+    stamped_ids = {str(r.id) for r in stamped}
+    misreported = [m for m in messages if "will retry" in m and any(i in m for i in stamped_ids)]
+    assert misreported == []
+
+
+class HangsOnOne:
+    """A consumer that never returns for the counter ``hung``; other events record an effect."""
+
+    def __init__(self, name: str, *, hangs_on: str | None) -> None:
+        self.name = name
+        self.hangs_on = hangs_on
+        self.hung = 0
+
+    async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
+        if event.counter_id == self.hangs_on:
+            self.hung += 1
+            await asyncio.Event().wait()
+        await record_effect(uow, f"{self.name}:{event.counter_id}")
+
+
+async def change(container: Container, counter_id: str) -> None:
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            uow.enqueue(CounterChangedV1(counter_id=counter_id, value=1))
+            await uow.commit()
+
+
+def consumers(container: Container) -> HangsOnOne:
+    """A consumer that hangs on ``hung``, registered before one that never does."""
+    hanging = HangsOnOne("hanging", hangs_on="hung")
+    container.handlers().consume("hanging", CounterChangedV1, hanging)
+    container.handlers().consume("steady", CounterChangedV1, HangsOnOne("steady", hangs_on=None))
+    return hanging
+
+
+async def test_an_in_process_consumer_that_never_returns_is_timed_out_without_the_outbox(
+    make_container: ContainerFactory,
+) -> None:
+    """The default in-process transport without the outbox publishes in the committing request:
+    a consumer that hangs is cut at ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``; the request returns,
+    the event's other consumer ran, and later events are consumed."""
+    bus = {**PUBLISH, "enable_outbox": False, "enable_inbox": False}
+    container = make_container(outbox=LIMITED, message_bus=bus)
+    await install_kit(container)
+    hanging = consumers(container)
+    await asyncio.wait_for(change(container, "hung"), timeout=15)
+    await asyncio.wait_for(change(container, "other"), timeout=15)
+    assert hanging.hung == 1
+    assert sorted(await _effects(container)) == ["hanging:other", "steady:hung", "steady:other"]
+
+
+async def test_an_in_process_consumer_that_never_returns_fails_only_its_own_attempt(
+    make_container: ContainerFactory,
+) -> None:
+    """With the outbox, the hung consumer fails its attempt at its own limit (shorter than the
+    delivery's): the event's other consumer runs on every attempt (the inbox keeps it to one
+    effect), unrelated rows are delivered, and the hung row ends dead-lettered with the reason."""
+    outbox = {**LIMITED, "max_retries": 2, "retry_backoff_base_seconds": 0.2}
+    container = make_container(outbox=outbox, message_bus=PUBLISH)
+    await install_kit(container)
+    hanging = consumers(container)
+    await container.worker().start()
+    try:
+        await change(container, "hung")
+        await eventually(lambda: hanging.hung >= 1)
+        await change(container, "other")
+
+        async def dead_lettered() -> bool:
+            rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.kind == "integration"))
+            by_id = {r.payload["counter_id"]: r for r in rows}
+            return "other" in by_id and by_id["hung"].dead_lettered_on is not None
+
+        await until(dead_lettered, timeout=30)
+        rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.kind == "integration"))
+        by_id = {r.payload["counter_id"]: r for r in rows}
+        assert by_id["other"].processed_on is not None
+        assert (by_id["hung"].dead_letter_reason, by_id["hung"].retry_count) == ("retries_exhausted", 2)
+        assert "hanging: TimeLimitExceededError: handler timed out after 0.5 s" in by_id["hung"].last_error
+        assert sorted(await _effects(container)) == ["hanging:other", "steady:hung", "steady:other"]
+    finally:
+        await asyncio.wait_for(container.worker().stop(), 30)

@@ -25,6 +25,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.clock import (
 from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
     CapturedContext,
 )
+from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
 from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     SpanKind,
 )
@@ -76,7 +77,11 @@ class RecordingDeliverer:
         del row
         return SpanKind.INTERNAL
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        async with limit():  # it stands for a publish: the whole of it is the delivery
+            return await self._deliver(row, token)
+
+    async def _deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
         if self.hang_first:
             print("claimed", flush=True)  # the test waits for this line, then kills us
             await asyncio.sleep(3600)

@@ -39,6 +39,7 @@ from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context impo
     current_context,
     use_context,
 )
+from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
 from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
 from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
 from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
@@ -154,16 +155,17 @@ class Faults:
         self.published = 0
         self.after_publish = args.after_publish_seconds
 
-    def wrap(self, deliver: Callable[[ClaimedRow, uuid.UUID], Awaitable[Delivered]]) -> Any:
-        async def faulty(row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    def wrap(self, deliver: Callable[[ClaimedRow, uuid.UUID, TimeLimit], Awaitable[Delivered]]) -> Any:
+        async def faulty(row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
             poisoned = self.poison_file is not None and self.poison_file.exists()
             if poisoned and row.payload.get("value") == RELAY_POISON:
                 msg = "poison event (the bug a later deploy fixes)"
                 raise ValueError(msg)
-            result = await deliver(row, token)
+            result = await deliver(row, token, limit)
             if self.after_publish:  # a slow confirm: the moment before the stamp, announced
                 print(f"published {row.id}, not stamped yet", flush=True)
-                await asyncio.sleep(self.after_publish)
+                async with limit():  # part of the publish
+                    await asyncio.sleep(self.after_publish)
             self.published += 1
             if self.crash_after and self.published >= self.crash_after:
                 print("crashing after a confirmed publish", flush=True)

@@ -124,6 +124,7 @@ from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work im
 from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
     ConsumeOutcome,
 )
+from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
 from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
     SpanKind,
 )
@@ -296,20 +297,21 @@ class GatedDeliverer:
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         return self._inner.span_kind(row)
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
         verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self.held = Held(row, token, verdict)
         self.arrived.set()
         try:
-            decided = await verdict
+            async with limit():  # held, it stands for a delivery in flight
+                decided = await verdict
         finally:
             self.held = None
         if decided is Verdict.DELIVER:
-            return await self._inner.deliver(row, token)
+            return await self._inner.deliver(row, token, limit)
         label = str(row.payload["label"])
         self._refusing.add(label)
         try:
-            return await self._inner.deliver(row, token)
+            return await self._inner.deliver(row, token, limit)
         finally:
             self._refusing.discard(label)
 

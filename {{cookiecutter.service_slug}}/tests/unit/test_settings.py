@@ -58,6 +58,10 @@ def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
         ({"lease_seconds": 60}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),  # the default limit, 60 s
         # A publish is one part of a delivery: its own limit cannot be longer.
         ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 10}, "PUBLISH_TIMEOUT_SECONDS"),
+        # In-process, every consumer's run is part of one delivery: a hung consumer must leave
+        # the others time to run.
+        ({"delivery_timeout_seconds": 20}, {"handler_timeout_seconds": 20}, "HANDLER_TIMEOUT_SECONDS"),
+        ({"delivery_timeout_seconds": 60}, {"handler_timeout_seconds": 90}, "HANDLER_TIMEOUT_SECONDS"),
     ],
 )
 def test_time_limits_that_do_not_fit_inside_the_lease_are_refused(
@@ -72,9 +76,16 @@ def test_time_limits_that_do_not_fit_inside_the_lease_are_refused(
 def test_time_limits_inside_the_lease_are_accepted() -> None:
     fits = settings(
         outbox={"lease_seconds": 15, "delivery_timeout_seconds": 12},
-        message_bus={"publish_timeout_seconds": 10, "handler_timeout_seconds": 30},
+        message_bus={"publish_timeout_seconds": 10, "handler_timeout_seconds": 11},
     )
-    assert (fits.outbox.delivery_timeout_seconds, fits.message_bus.handler_timeout_seconds) == (12, 30)
+    assert (fits.outbox.delivery_timeout_seconds, fits.message_bus.handler_timeout_seconds) == (12, 11)
+    # A broker's consumers are not part of a delivery: their limit is their own.
+    broker = settings(
+        outbox={"delivery_timeout_seconds": 20},
+        message_bus={"transport": "nats", "handler_timeout_seconds": 90},
+    )
+    assert broker.message_bus.handler_timeout_seconds == 90
+    assert settings().message_bus.handler_timeout_seconds < settings().outbox.delivery_timeout_seconds
     with pytest.raises(ValidationError):
         settings(message_bus={"handler_timeout_seconds": 0})
 

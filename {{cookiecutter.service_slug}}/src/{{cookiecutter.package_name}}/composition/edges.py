@@ -41,7 +41,13 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
     tracing: Tracing,
 ) -> MessageBus:
     if not settings.message_bus.is_broker:
-        return InProcessBus(handlers=handlers, registry=registry, pipeline=pipeline, signer=signer)
+        return InProcessBus(
+            handlers=handlers,
+            registry=registry,
+            pipeline=pipeline,
+            signer=signer,
+            handler_timeout_seconds=settings.message_bus.handler_timeout_seconds,
+        )
     from ..building_blocks.brokers.faststream_bus import FastStreamBus  # noqa: PLC0415
 
     return FastStreamBus(

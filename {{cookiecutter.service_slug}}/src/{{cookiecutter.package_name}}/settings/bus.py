@@ -46,8 +46,9 @@ class MessageBusSettings(BaseModel):
     # dead-lettered as oversized_header by every consumer.
     max_header_bytes: int = Field(default=4096, ge=2048)
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
+    # Below OUTBOX__DELIVERY_TIMEOUT_SECONDS (60): in-process, the consumers run inside a delivery.
     handler_timeout_seconds: float = Field(
-        default=60.0, gt=0, description="Time limit of one consumer handler run; past it, a failed attempt"
+        default=30.0, gt=0, description="Time limit of one consumer handler run; past it, a failed attempt"
     )
     circuit_failure_threshold: int = Field(default=5, ge=1)
     circuit_reset_seconds: float = Field(default=30.0, gt=0)

@@ -102,6 +102,21 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _refuse_an_in_process_handler_limit_as_long_as_a_delivery(self) -> Self:
+        """In-process, every consumer of an event runs inside the delivery that publishes it: a
+        handler limit as long as the delivery's would let one hung consumer use the whole
+        delivery, and the consumers after it would never run."""
+        handler, delivery = self.message_bus.handler_timeout_seconds, self.outbox.delivery_timeout_seconds
+        if not self.message_bus.is_broker and handler >= delivery:
+            msg = (
+                f"MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS ({handler:g}) must be below "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}) with the in-process transport: "
+                "its consumers run inside a delivery"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
     def _refuse_unsafe_combinations(self) -> Self:
         bus = self.message_bus
         if bus.is_broker and bus.enable_outbox is False:

@@ -3,7 +3,10 @@
 It needs no server, so it is the embedded default. Every consumer of the event runs through the
 same consume pipeline a broker delivery uses (signature, context restore, inbox); if one fails,
 the others still run and the publish raises, so the outbox row is retried (the inbox skips the
-consumers that already succeeded, when it is enabled).
+consumers that already succeeded, when it is enabled). Each consumer's run is limited to
+``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``, as on a broker: one that hangs fails like any other
+and the next consumer still runs, before the delivery's own (longer) limit ends the publish; and
+without the outbox, the request that committed the event returns.
 
 The raised :class:`ConsumerFailedError` is chained to a consumer's own error (``__cause__``): the
 processor reads the chain to tell a database outage, which it releases the row for uncharged,
@@ -19,6 +22,7 @@ import logging
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry, UnknownMessageError
 from ..inbox.pipeline import ConsumePipeline
+from ..kernel.time_limits import time_limit
 from ..messaging.envelope import Envelope
 from ..messaging.signing import Signer
 from ..persistence.outages import is_database_outage
@@ -42,8 +46,10 @@ class InProcessBus:
         registry: MessageRegistry,
         pipeline: ConsumePipeline,
         signer: Signer,
+        handler_timeout_seconds: float,
     ) -> None:
         self._handlers = handlers
+        self._handler_timeout = handler_timeout_seconds
         self._registry = registry
         self._pipeline = pipeline
         self._signer = signer
@@ -69,7 +75,8 @@ class InProcessBus:
         failures: dict[str, Exception] = {}
         for consumer in self._handlers.consumers_of(event_type):
             try:
-                await self._pipeline.consume(consumer, headers, envelope.body)
+                async with time_limit(self._handler_timeout, "handler"):
+                    await self._pipeline.consume(consumer, headers, envelope.body)
             except Exception as error:  # noqa: BLE001 (reported together below)
                 log.warning("consumer %s failed on %s: %r", consumer.name, envelope.message_id, error)
                 failures[consumer.name] = error

@@ -15,6 +15,7 @@ from ..application.handler_types import handler_name
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
 from ..kernel.hops import restored
+from ..kernel.time_limits import TimeLimit
 from ..kernel.tracing import SpanKind
 from ..persistence.handler_scope import handler_scope
 from ..persistence.tables import COMMAND_TABLE
@@ -50,7 +51,7 @@ class CommandDeliverer:
         del row
         return SpanKind.INTERNAL
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
         command = self._registry.load(row.name, row.payload)
         handler = self._handlers.command_handler(type(command))
         if handler is None:
@@ -59,7 +60,8 @@ class CommandDeliverer:
         with restored(row.captured_context(), authentication_type=COMMAND_AUTHENTICATION):
             async with self._units() as uow:
                 with handler_scope(handler_name(handler)):
-                    await handler(command, uow)
+                    async with limit():
+                        await handler(command, uow)
                 uow.stamp_processed_on_commit(self._store, row.id, token)
                 await uow.commit()
         return Delivered.STAMPED

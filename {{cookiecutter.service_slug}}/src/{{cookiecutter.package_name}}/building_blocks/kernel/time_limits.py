@@ -14,8 +14,13 @@ synchronous call) cannot be interrupted by it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+# A delivery's limit as its runner hands it down (``time_limit`` with the seconds and the name
+# bound): the deliverer puts it around the handlers or the publish only, not around the commit
+# that stamps the row and delivers what the handlers raised (each of those has its own).
+TimeLimit = Callable[[], AbstractAsyncContextManager[None]]
 
 
 class TimeLimitExceededError(TimeoutError):

@@ -20,6 +20,7 @@ import uuid
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
 from ..kernel.hops import restored
+from ..kernel.time_limits import TimeLimit
 from ..kernel.tracing import SpanKind
 from ..messaging.bus import MessageBus
 from ..messaging.circuit import CircuitBreaker
@@ -61,7 +62,7 @@ class OutboxDeliverer:
         """A publish is a producer span; a local delivery stays inside this service."""
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
         message = self._registry.load(row.name, row.payload)
         context = row.captured_context()
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
@@ -69,7 +70,7 @@ class OutboxDeliverer:
                 if not self._handlers.has_domain_handlers(type(message)):
                     self._warn_no_handler(row.name)
                     return Delivered.NEEDS_STAMP
-                await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1)
+                await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
                 return Delivered.STAMPED
             envelope = Envelope(
                 message_id=str(row.id),
@@ -83,7 +84,8 @@ class OutboxDeliverer:
             async def publish() -> None:
                 await self._bus.publish(envelope)
 
-            await self._breaker.call(publish)
+            async with limit():
+                await self._breaker.call(publish)
             return Delivered.NEEDS_STAMP
 
     def _warn_no_handler(self, event_name: str) -> None:

@@ -10,8 +10,10 @@ under only keeps other replicas away while it lasts, and an earlier row's handle
 it; so each row's lease is renewed under its token just before its handlers run, and a row whose
 token is gone (a replica claimed it meanwhile) is skipped: its new owner delivers it.
 
-Each dispatch runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS`` (after the renewal, so the lease
-outlasts it); one past its limit is cancelled and counts as a failed delivery.
+Each dispatch's handlers run under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS`` (after the renewal, so the
+lease outlasts it); past it they are cancelled and the delivery fails. The limit does not cover
+the commit: it stamps the row and then delivers the events the handlers raised, each under a
+limit of its own, and a delivery whose row is stamped must not be reported failed.
 A failed delivery releases the row's lease under its token, so the processor retries it once the
 processing delay has passed (``row_leases``: with a NOTIFY, best effort); later rows of the same
 ordering key are released untouched so they are not delivered before it. A keyed row that still
@@ -33,7 +35,7 @@ from ..application.handler_types import handler_name
 from ..application.handlers import HandlerRegistry
 from ..application.messages import IntegrationEvent
 from ..domain.events import DomainEvent, Message
-from ..kernel.time_limits import time_limit
+from ..kernel.time_limits import TimeLimit, time_limit
 from ..persistence.handler_scope import handler_scope
 from ..polling.leases import LeaseLostError
 from ..unit_of_work.factory import UnitOfWorkFactory
@@ -88,20 +90,28 @@ class LocalDispatcher:
         return self._units()
 
     async def deliver(
-        self, message: Message, *, row_id: uuid.UUID | None, token: uuid.UUID | None, depth: int
+        self,
+        message: Message,
+        *,
+        row_id: uuid.UUID | None,
+        token: uuid.UUID | None,
+        depth: int,
+        limit: TimeLimit,
     ) -> None:
-        """Run every handler of ``message`` and commit their effects with the row's stamp."""
+        """Run every handler of ``message`` within ``limit`` and commit their effects with the
+        row's stamp (the commit, and the follow-on deliveries it runs, are not in ``limit``)."""
         async with self.factory(depth=depth) as uow:
-            for handler in self._handlers.domain_handlers(type(message)):
-                with handler_scope(handler_name(handler)):
-                    await handler(message, uow)
+            async with limit():
+                for handler in self._handlers.domain_handlers(type(message)):
+                    with handler_scope(handler_name(handler)):
+                        await handler(message, uow)
             if row_id is not None and token is not None:
                 uow.stamp_processed_on_commit(self._leases.store, row_id, token)
             await uow.commit()
 
     def _time_limit(self) -> AbstractAsyncContextManager[None]:
         """The dispatches this dispatcher starts itself get the delivery's time limit (the
-        processor puts its own around ``deliver``): a handler that never returns must not hold
+        processor hands its own to ``deliver``): a handler that never returns must not hold
         the commit that wrote its row, nor the request behind it."""
         return time_limit(self._delivery_timeout, "delivery")
 
@@ -142,8 +152,9 @@ class LocalDispatcher:
                 await self._leases.release([row], None)
                 return
             await self._leases.renew(row)
-            async with self._time_limit():
-                await self.deliver(row.message, row_id=row.id, token=row.lock_token, depth=depth + 1)
+            await self.deliver(
+                row.message, row_id=row.id, token=row.lock_token, depth=depth + 1, limit=self._time_limit
+            )
         except LeaseLostError:
             if key is not None:
                 blocked_keys.add(key)
@@ -177,8 +188,7 @@ class LocalDispatcher:
                 log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)
                 continue
             try:
-                async with self._time_limit():
-                    await self.deliver(event, row_id=None, token=None, depth=depth + 1)
+                await self.deliver(event, row_id=None, token=None, depth=depth + 1, limit=self._time_limit)
             except Exception:
                 log.exception("direct dispatch of %s failed (outbox disabled)", event.message_name)
         for integration_event in integration_events:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from ..kernel.time_limits import TimeLimit
 from ..kernel.tracing import SpanKind
 from .claimed import ClaimedRow
 from .results import Delivered
@@ -19,8 +20,11 @@ from .results import Delivered
 class Deliverer(Protocol):
     """Delivers one claimed row (raises on failure)."""
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID) -> Delivered:
-        """Deliver ``row``; ``token`` is its lease, for a stamp written in the same transaction."""
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        """Deliver ``row``; ``token`` is its lease, for a stamp written in the same transaction.
+
+        ``limit`` is the delivery's time limit: put it around the handlers or the publish, not
+        around the commit that stamps the row (once stamped, a delivery must not fail)."""
         ...
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import random
 import uuid
@@ -207,9 +208,11 @@ class TableSource:
         self, row: ClaimedRow, token: uuid.UUID, span: Span, slot: DeliverySlot | None
     ) -> bool:
         write = self._shutdown.write
+        # The deliverer puts the limit around the handlers or the publish only: past the stamp,
+        # a delivery cannot fail (its follow-on deliveries have limits of their own).
+        limit = functools.partial(time_limit, self.settings.delivery_timeout_seconds, "delivery")
         try:
-            async with time_limit(self.settings.delivery_timeout_seconds, "delivery"):
-                delivered = await self._deliverer.deliver(row, token)
+            delivered = await self._deliverer.deliver(row, token, limit)
         except LeaseLostError:
             self.outcomes.lost(row, "while its handlers ran (their effects were rolled back)")
             return False
