@@ -1,7 +1,8 @@
 """Tier 4, smoke: the OpenAPI document is exact. Schemathesis (every check on) runs against a
 baked service started as a real process on the embedded default, as an operator, as a caller
 without the admin role and as an anonymous caller, and must find no failure: no status code,
-content type or constraint the document does not state, no schema-valid request refused."""
+content type or constraint the document does not state, no schema-valid request refused. Each
+request carries an ``Idempotency-Key`` of its own (``schemathesis_hooks.py`` says why)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from .test_smoke import _free_port
 
 pytestmark = pytest.mark.smoke
 SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
+# Each request its own Idempotency-Key (why: see the hooks module).
+HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 # Fixed seeds: the same examples on every run (a failure is reproducible with the printed seed).
 # (roles, seed, examples): the operator reaches every operation's success paths; the others
 # mostly meet 401 and 403, so fewer examples say as much.
@@ -82,5 +85,6 @@ def test_the_openapi_document_says_what_the_api_does(
             bakes["default"],
         ).stdout.strip()
         command += ["-H", f"Authorization: Bearer {token}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False, env=env)
     assert result.returncode == 0, result.stdout[-8000:]

@@ -26,12 +26,27 @@ import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 
-from {{ cookiecutter.package_name }}.building_blocks.operations.replay import return_to_pending
-from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import EVERY_TENANT
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE, OUTBOX, OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.container import Container, build_container
+from {{ cookiecutter.package_name }}.building_blocks.operations.replay import (
+    return_to_pending,
+)
+from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import (
+    EVERY_TENANT,
+)
+from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+    COMMAND_TABLE,
+    OUTBOX,
+    OUTBOX_TABLE,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import (
+    ClaimedRow,
+)
+from {{ cookiecutter.package_name }}.building_blocks.polling.results import (
+    Delivered,
+)
+from {{ cookiecutter.package_name }}.container import (
+    Container,
+    build_container,
+)
 
 from ..conftest import FakeClock, make_settings
 from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, polled_source, row, state

@@ -46,7 +46,7 @@ HANG = "hang"
 # A one-second limit; the lease leaves room for it and its margin, and a publish cannot be longer
 # (nor, on the in-process transport, a consumer's handler run).
 LIMITED = {"delivery_timeout_seconds": 1, "lease_seconds": 10, "processing_delay_seconds": 0}
-PUBLISH = {"publish_timeout_seconds": 1, "handler_timeout_seconds": 0.5}
+PUBLISH = {"publish_timeout_seconds": 0.8, "handler_timeout_seconds": 0.5}
 
 
 class HangsOnce:
@@ -196,7 +196,7 @@ async def test_a_slow_publish_never_overlaps_another_replicas_copy_of_its_row(po
     half, so it used to skip the renewal) and takes 3.9 s, just under the limit. Its lease must
     not end while that publish is in flight, or replica B claims the row and publishes it too."""
     lease = {"lease_seconds": 6, "delivery_timeout_seconds": 4}
-    publish = {"publish_timeout_seconds": 4}
+    publish = {"publish_timeout_seconds": 3.95}  # below the delivery's limit, above the 3.9 s publish
     container = build_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
     try:
         await _two_replicas_publish(container)

@@ -113,7 +113,7 @@ async def processor(args: argparse.Namespace) -> None:
         make_settings(
             args.db,
             application={"namespace": args.namespace, "instance_id": args.name},
-            message_bus={"publish_timeout_seconds": min(10.0, longest_delivery(args.lease))},
+            message_bus={"publish_timeout_seconds": min(10.0, longest_delivery(args.lease) / 2)},
             outbox={
                 "lease_seconds": args.lease,
                 "delivery_timeout_seconds": longest_delivery(args.lease),
@@ -186,8 +186,14 @@ async def consumer(args: argparse.Namespace) -> None:
     container.handlers().consume("kit.racer", CounterChangedV1, handler)
     (racer,) = [c for c in container.handlers().consumers if c.name == "kit.racer"]
     context = CapturedContext("acme", "alice", None, "race-1", None)
-    body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
-    message = Envelope(args.message_id, "kit.counter-changed.v1", datetime.now(UTC), body, context)
+    # A true copy: both processes build the same bytes (an event's id and time are its own,
+    # and the inbox dead-letters a same-id message whose body differs).
+    occurred_on = datetime(2026, 1, 1, tzinfo=UTC)
+    event = CounterChangedV1(
+        counter_id="c", value=1, event_id=uuid.UUID(args.message_id), occurred_on=occurred_on
+    )
+    body = json.dumps(event.model_dump(mode="json")).encode()
+    message = Envelope(args.message_id, "kit.counter-changed.v1", occurred_on, body, context)
     headers = container.signer().sign(message.headers(), body)
     start_at = float(args.start_at)
     await asyncio.sleep(max(0.0, start_at - time.time()))

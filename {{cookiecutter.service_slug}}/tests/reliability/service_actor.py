@@ -130,7 +130,7 @@ def build(args: argparse.Namespace) -> Container:
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 1.0,
                 "circuit_reset_seconds": 1.0,
-                "publish_timeout_seconds": min(10.0, longest_delivery(args.lease)),
+                "publish_timeout_seconds": min(10.0, longest_delivery(args.lease) / 2),
             },
             outbox={
                 "lease_seconds": args.lease,

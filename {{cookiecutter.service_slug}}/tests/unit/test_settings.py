@@ -58,6 +58,7 @@ def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
         ({"lease_seconds": 60}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),  # the default limit, 60 s
         # A publish is one part of a delivery: its own limit cannot be longer.
         ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 10}, "PUBLISH_TIMEOUT_SECONDS"),
+        ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 5}, "PUBLISH_TIMEOUT_SECONDS"),
         # In-process, every consumer's run is part of one delivery: a hung consumer must leave
         # the others time to run.
         ({"delivery_timeout_seconds": 20}, {"handler_timeout_seconds": 20}, "HANDLER_TIMEOUT_SECONDS"),
@@ -79,6 +80,12 @@ def test_time_limits_inside_the_lease_are_accepted() -> None:
         message_bus={"publish_timeout_seconds": 10, "handler_timeout_seconds": 11},
     )
     assert (fits.outbox.delivery_timeout_seconds, fits.message_bus.handler_timeout_seconds) == (12, 11)
+    # Exactly 80% of the lease fits, whatever float arithmetic makes of it (3 * 0.8 + 3 * 0.2 > 3).
+    exact = settings(
+        outbox={"lease_seconds": 3, "delivery_timeout_seconds": 3 * 0.8},
+        message_bus={"publish_timeout_seconds": 1, "handler_timeout_seconds": 1},
+    )
+    assert exact.outbox.delivery_timeout_seconds == 3 * 0.8
     # A broker's consumers are not part of a delivery: their limit is their own.
     broker = settings(
         outbox={"delivery_timeout_seconds": 20},

@@ -13,6 +13,8 @@ from pydantic import BaseModel, Field, model_validator
 # cancellation of one past its time limit, and clock differences between replicas. A delivery
 # starts only with at least its time limit plus this margin of lease left (``renew_below``).
 LEASE_MARGIN_FRACTION = 0.2
+# Seconds compared after float arithmetic: 3 * 0.8 + 3 * 0.2 is a hair above 3.
+FLOAT_SLACK = 1e-9
 
 
 class OutboxSettings(BaseModel):
@@ -51,8 +53,8 @@ class OutboxSettings(BaseModel):
     def _refuse_a_time_limit_that_does_not_fit_the_lease(self) -> Self:
         """A delivery in flight must never outlive its lease, or another replica claims the row
         and delivers it at the same time: the limit plus the margin must fit inside the lease."""
-        if self.delivery_timeout_seconds + self.lease_margin_seconds > self.lease_seconds:
-            most = self.lease_seconds * (1 - LEASE_MARGIN_FRACTION)
+        most = self.lease_seconds * (1 - LEASE_MARGIN_FRACTION)
+        if self.delivery_timeout_seconds - most > FLOAT_SLACK:  # 2.4 of a 3 s lease fits exactly
             msg = (
                 f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({self.delivery_timeout_seconds:g}) must be at most "
                 f"{most:g} s, 80% of OUTBOX__LEASE_SECONDS ({self.lease_seconds:g}): a delivery must "

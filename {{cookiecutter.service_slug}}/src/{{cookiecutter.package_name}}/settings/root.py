@@ -90,13 +90,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _refuse_a_publish_limit_longer_than_a_delivery(self) -> Self:
-        """A publish is one part of a delivery: a longer publish limit would never apply (the
-        delivery's limit cuts the publish first) and would only mislead whoever set it."""
+        """A publish is one part of a delivery, and its own limit must end it first: a publish
+        timing out during a broker outage is an outage (the circuit breaker pauses delivery,
+        nothing is charged), while the delivery's limit cutting it is charged to the row. An
+        equal limit races the two timers and charged outages to rows."""
         publish, delivery = self.message_bus.publish_timeout_seconds, self.outbox.delivery_timeout_seconds
-        if publish > delivery:
+        if publish >= delivery:
             msg = (
-                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must not exceed "
-                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery"
+                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must be below "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery, "
+                "and a publish timing out in a broker outage must not be charged to the row"
             )
             raise ValueError(msg)
         return self
