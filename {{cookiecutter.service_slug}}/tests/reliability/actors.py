@@ -188,7 +188,7 @@ async def consumer(args: argparse.Namespace) -> None:
     context = CapturedContext("acme", "alice", None, "race-1", None)
     # A true copy: both processes build the same bytes (an event's id and time are its own,
     # and the inbox dead-letters a same-id message whose body differs).
-    occurred_on = datetime(2026, 1, 1, tzinfo=UTC)
+    occurred_on = datetime.fromtimestamp(float(args.start_at), UTC)  # the same in both processes
     event = CounterChangedV1(
         counter_id="c", value=1, event_id=uuid.UUID(args.message_id), occurred_on=occurred_on
     )

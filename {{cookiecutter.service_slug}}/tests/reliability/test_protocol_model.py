@@ -321,8 +321,8 @@ class ObservedSource(TableSource):
 
     last_claim: tuple[uuid.UUID, list[ClaimedRow]] | None = None
 
-    async def claim(self, token: uuid.UUID) -> list[ClaimedRow]:
-        rows = await super().claim(token)
+    async def claim(self, token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        rows = await super().claim(token, now)
         self.last_claim = (token, rows)
         return rows
 
