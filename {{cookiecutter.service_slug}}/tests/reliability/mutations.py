@@ -1,7 +1,7 @@
 """The mutation check of the reliability tier: do the scenarios catch the bugs they exist for?
 
-``python -m tests.reliability.mutations [--only NAME] [--report PATH] [--skip-baseline] [--keep]``,
-run from the service root with the service's virtual environment and the services up.
+``python -m tests.reliability.mutations [--only NAME] [--report PATH] [--skip-baseline] [--keep]
+[--jobs N]``, run from the service root with the service's virtual environment and the services up.
 
 Each mutation below is a known bug, written as exact text replacements in named files. For each
 one, the service (everything but its virtual environment, caches and local databases) is copied
@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -415,7 +416,14 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, default=ROOT / DEFAULT_REPORT)
     parser.add_argument("--skip-baseline", action="store_true", help="skip the unmutated run (iterating)")
     parser.add_argument("--keep", action="store_true", help="leave the copies in the temporary directory")
+    parser.add_argument("--jobs", type=int, default=1, metavar="N", help="mutations run at once (default 1)")
     return parser.parse_args(argv)
+
+
+def reported(outcome: Outcome) -> Outcome:
+    name = outcome.mutation.name
+    print(f"{name}: {outcome.result} {outcome.caught_by} ({outcome.seconds:.0f}s)", flush=True)
+    return outcome
 
 
 def check(args: argparse.Namespace, work: Path) -> int:
@@ -431,11 +439,10 @@ def check(args: argparse.Namespace, work: Path) -> int:
         if not passed:
             publish(table([], baseline), args.report)
             return 1
-    outcomes = []
-    for mutation in chosen:
-        outcome = run_mutation(mutation, work)
-        print(f"{mutation.name}: {outcome.result} {outcome.caught_by} ({outcome.seconds:.0f}s)", flush=True)
-        outcomes.append(outcome)
+    # Each mutation runs in its own copy, test database and broker namespace, so several can
+    # run at once; most of a scenario's time is spent waiting for leases, restarts and timeouts.
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        outcomes = list(pool.map(lambda mutation: reported(run_mutation(mutation, work)), chosen))
     publish(table(outcomes, baseline), args.report)
     return 0 if all(o.result == "caught" for o in outcomes) else 1
 
