@@ -1,6 +1,7 @@
 """Tier 3, generated suite: a baked service installs into its own virtual environment and its
-own test suite passes (default broker and Kafka); its migrations are consistent. The default
-bake runs on the newest supported Python (the template's own interpreter is the floor).
+own test suite passes (default broker, Kafka, and without the example context); its migrations
+are consistent. The default bake runs on the newest supported Python (the template's own
+interpreter is the floor).
 
 The broker answer changes no Python file but ``about.py`` (the render tier proves it), so running
 the whole suite in both bakes would test the same code twice (six minutes of CI). The default
@@ -50,22 +51,19 @@ def default_service(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     return project, install(project, newest_python())
 
 
-def test_generated_test_suites_pass_default_and_kafka(
-    default_service: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """The default bake's fast tiers and the Kafka bake's Kafka tier, run at the same time: the
-    Kafka tier spends most of its time waiting for consumer-group joins, not on the CPU."""
-    project, python = default_service
-    kafka_project = bake(tmp_path, broker="kafka")
-    kafka_python = install(kafka_project)
-    suites = {
-        "default": (project, python, "not slow and not kafka"),
-        "kafka": (kafka_project, kafka_python, "kafka and not slow"),
-    }
+PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
+# The example-free bake's tiers: the broker- and PostgreSQL-backed tests use the test kit, not
+# the example, so the default bake runs them on the same code.
+WITHOUT_EXAMPLE_TIERS = "not slow and not kafka and not rabbitmq and not nats and not redis and not postgres"
+
+
+def run_at_once(suites: dict[str, tuple[Path, Path, list[str]]], logs: Path) -> None:
+    """Run each suite's pytest (``root, python, arguments``) at the same time; fail naming every
+    suite that failed, with the end of its output."""
     running = {}
-    for name, (root, interpreter, tiers) in suites.items():
-        log = (tmp_path / f"{name}.log").open("w")
-        command = [str(interpreter), "-m", "pytest", "-m", tiers, "-q", "-p", "no:cacheprovider"]
+    for name, (root, interpreter, arguments) in suites.items():
+        log = (logs / f"{name}.log").open("w")
+        command = [str(interpreter), *PYTEST, *arguments]
         environment = {**os.environ, **_service_env()}
         started = subprocess.Popen(command, cwd=root, env=environment, stdout=log, stderr=subprocess.STDOUT)
         running[name] = (started, log)
@@ -73,11 +71,33 @@ def test_generated_test_suites_pass_default_and_kafka(
     for name, (started, log) in running.items():
         code = started.wait(timeout=1500)
         log.close()
-        output = (tmp_path / f"{name}.log").read_text()
+        output = (logs / f"{name}.log").read_text()
         print(f"--- {name} ---\n{output[-3000:]}")  # what ran and what was skipped, and why
         if code != 0:
             failed.append(f"{name} suite failed ({code}):\n{output[-6000:]}")
     assert failed == [], "\n".join(failed)
+
+
+def test_generated_test_suites_pass_default_kafka_and_without_example(
+    default_service: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The default bake's fast tiers, the Kafka bake's Kafka tier and the example-free bake's
+    suite on SQLite, run at the same time: the Kafka tier spends most of its time waiting for
+    consumer-group joins, so the two CPU-bound suites share the machine's two cores with it."""
+    project, python = default_service
+    kafka_project = bake(tmp_path / "kafka", broker="kafka")
+    bare_project = bake(tmp_path / "bare", include_example=False)
+    run_at_once(
+        {
+            "default": (project, python, ["-m", "not slow and not kafka"]),
+            "kafka": (kafka_project, install(kafka_project), ["-m", "kafka and not slow"]),
+            "without-example": (bare_project, install(bare_project), ["-m", WITHOUT_EXAMPLE_TIERS]),
+        },
+        tmp_path,
+    )
+    # Without the example its migrations chain differs: on PostgreSQL too.
+    migrations = [str(bare_project / ".venv/bin/python"), *PYTEST, "tests/integration/test_migrations.py"]
+    check(migrations, bare_project, env=_service_env(), timeout=600)
 
 
 def test_generated_slow_tiers_pass_and_catch_the_known_bugs(default_service: tuple[Path, Path]) -> None:
@@ -98,15 +118,3 @@ def test_generated_slow_tiers_pass_and_catch_the_known_bugs(default_service: tup
     mutation_args = "MUTATION_ARGS=--skip-baseline --jobs 2"
     mutations = check(["make", "test-mutations", mutation_args], project, timeout=1500)
     print(mutations.stdout[-3000:])
-
-
-def test_service_without_example_passes_its_suite(tmp_path: Path) -> None:
-    """Without the example context: its own suite on SQLite, and its migrations on PostgreSQL too
-    (their chain is what differs). The broker- and PostgreSQL-backed tests use the test kit, not
-    the example: the default bake runs them on the same code."""
-    project = bake(tmp_path, include_example=False)
-    python = install(project)
-    tiers = "not slow and not kafka and not rabbitmq and not nats and not redis and not postgres"
-    pytest_run = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    check([*pytest_run, "-m", tiers], project, env=_service_env(), timeout=1500)
-    check([*pytest_run, "tests/integration/test_migrations.py"], project, env=_service_env(), timeout=600)
