@@ -56,7 +56,14 @@ def test_the_document_has_a_channel_per_event_and_a_receive_operation_per_consum
         application={"namespace": "shop"},
         message_bus={"transport": "rabbitmq", "url": "amqp://orders:s3cret@rabbit:5672/"},
     )
-    document = asyncapi_document(registry, handlers, settings)
+    document = asyncapi_document(
+        registry,
+        handlers,
+        settings.message_bus,
+        namespace=settings.application.resolved_namespace,
+        title="Shop",
+        description="Sells things",
+    )
     assert "s3cret" not in json.dumps(document)
     assert document["servers"]["default"] == {"host": "rabbit:5672", "protocol": "rabbitmq"}
     channel = document["channels"]["kit_counter_changed_v1"]
@@ -68,3 +75,4 @@ def test_the_document_has_a_channel_per_event_and_a_receive_operation_per_consum
     assert receive["channel"] == {"$ref": "#/channels/kit_counter_changed_v1"}
     payload = document["components"]["messages"]["kit_counter_changed_v1"]["payload"]
     assert set(payload["properties"]) >= {"counter_id", "value"}
+    assert document["info"] == {"title": "Shop", "version": "1.0.0", "description": "Sells things"}

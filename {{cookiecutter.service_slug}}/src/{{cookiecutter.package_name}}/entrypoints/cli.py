@@ -39,11 +39,9 @@ def _token(args: argparse.Namespace, container: Container) -> None:
 
 
 def _asyncapi(args: argparse.Namespace, container: Container) -> None:
-    from ..building_blocks.brokers.asyncapi import asyncapi_document  # noqa: PLC0415
+    from .health import service_asyncapi  # noqa: PLC0415
 
-    document = json.dumps(
-        asyncapi_document(container.registry(), container.handlers(), container.settings()), indent=2
-    )
+    document = json.dumps(service_asyncapi(container), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as file:  # noqa: PTH123
             file.write(document + "\n")

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ..about import DESCRIPTION, SERVICE_NAME
 from ..building_blocks.brokers.asyncapi import asyncapi_document
 from ..building_blocks.kernel.redaction import mask_credentials
 from ..building_blocks.runtime.worker import Worker
@@ -69,9 +70,20 @@ async def _check(probe: Callable[[], Awaitable[None]], within_seconds: float) ->
     return "ok"
 
 
-def add_asyncapi_route(app: FastAPI, container: Container) -> None:
+def service_asyncapi(container: Container) -> dict[str, Any]:
+    """This service's AsyncAPI document (``GET /asyncapi`` and ``python -m <package> asyncapi``)."""
     settings = container.settings()
+    return asyncapi_document(
+        container.registry(),
+        container.handlers(),
+        settings.message_bus,
+        namespace=settings.application.resolved_namespace,
+        title=SERVICE_NAME,
+        description=DESCRIPTION,
+    )
 
+
+def add_asyncapi_route(app: FastAPI, container: Container) -> None:
     @app.get("/asyncapi", tags=["messaging"])
     async def asyncapi() -> dict[str, Any]:
-        return asyncapi_document(container.registry(), container.handlers(), settings)
+        return service_asyncapi(container)

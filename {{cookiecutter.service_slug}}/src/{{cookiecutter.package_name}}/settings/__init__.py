@@ -1,17 +1,23 @@
 """Every runtime knob, read from the environment (nested with ``__``, no prefix) and ``.env``.
 
 ``Settings`` (``root``) is the one object a process builds; each section lives in a module of its
-own. Every name is re-exported here, so ``from <package>.settings import ...`` is the import.
+own, or in the framework's (the message bus and the database: the framework reads them). Every
+name is re-exported here, so ``from <package>.settings import ...`` is the import.
 """
 
+from ..building_blocks.messaging.settings import (
+    EXAMPLE_SIGNING_SECRET,
+    MIN_PRODUCTION_KEY_LENGTH,
+    MessageBusSettings,
+    Transport,
+)
+from ..building_blocks.persistence.settings import DatabaseSettings
 from .auth import DEV_JWT_SECRET, MIN_JWT_SECRET_BYTES, AuthSettings
-from .bus import EXAMPLE_SIGNING_SECRET, MIN_PRODUCTION_KEY_LENGTH, MessageBusSettings, Transport
 from .relay import InboxSettings, OutboxSettings
 from .root import Settings
 from .service import (
     ApiSettings,
     ApplicationSettings,
-    DatabaseSettings,
     Environment,
     LoggingSettings,
     TelemetrySettings,

@@ -17,13 +17,17 @@ from typing import Self
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ..building_blocks.messaging.settings import (
+    EXAMPLE_SIGNING_SECRET,
+    MIN_PRODUCTION_KEY_LENGTH,
+    MessageBusSettings,
+)
+from ..building_blocks.persistence.settings import DatabaseSettings
 from .auth import AuthSettings
-from .bus import EXAMPLE_SIGNING_SECRET, MIN_PRODUCTION_KEY_LENGTH, MessageBusSettings
 from .relay import InboxSettings, OutboxSettings
 from .service import (
     ApiSettings,
     ApplicationSettings,
-    DatabaseSettings,
     Environment,
     LoggingSettings,
     TelemetrySettings,

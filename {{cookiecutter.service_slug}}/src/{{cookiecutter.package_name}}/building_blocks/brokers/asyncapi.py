@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from ...about import DESCRIPTION, SERVICE_NAME
-from ...settings import Settings
 from ..application.handlers import HandlerRegistry
 from ..application.messages import IntegrationEvent
 from ..application.registry import MessageRegistry
 from ..messaging.header_names import SIGNATURE, SIGNED_HEADERS
+from ..messaging.settings import MessageBusSettings
 from .naming import EndpointNames
 
 
@@ -43,11 +42,16 @@ def public_server(url: str | None, protocol: str) -> dict[str, str]:
 
 
 def asyncapi_document(
-    registry: MessageRegistry, handlers: HandlerRegistry, settings: Settings
+    registry: MessageRegistry,
+    handlers: HandlerRegistry,
+    bus: MessageBusSettings,
+    *,
+    namespace: str,
+    title: str,
+    description: str,
 ) -> dict[str, Any]:
-    names = EndpointNames(
-        settings.application.resolved_namespace, settings.message_bus.preserve_default_endpoint_names
-    )
+    """The document of a service called ``title``, whose broker names start with ``namespace``."""
+    names = EndpointNames(namespace, bus.preserve_default_endpoint_names)
     headers_schema = {
         "type": "object",
         "properties": {h: {"type": "string"} for h in (*SIGNED_HEADERS, SIGNATURE)},
@@ -84,9 +88,9 @@ def asyncapi_document(
         }
     return {
         "asyncapi": "3.0.0",
-        "info": {"title": SERVICE_NAME, "version": "1.0.0", "description": DESCRIPTION},
+        "info": {"title": title, "version": "1.0.0", "description": description},
         "defaultContentType": "application/json",
-        "servers": {"default": public_server(settings.message_bus.url, settings.message_bus.transport.value)},
+        "servers": {"default": public_server(bus.url, bus.transport.value)},
         "channels": channels,
         "operations": operations,
         "components": {"messages": messages},

@@ -33,11 +33,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ...settings import MessageBusSettings
 from ..application.handler_types import Consumer
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
 from ..messaging.rejections import RejectedMessageError
+from ..messaging.settings import MessageBusSettings
 from .holding import consume_through_database_outages, keep_alive
 from .transports.ports import Delivery
 

@@ -14,13 +14,13 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ...settings import MessageBusSettings, Transport
 from ..application.handlers import HandlerRegistry
 from ..application.registry import MessageRegistry
 from ..inbox.pipeline import ConsumePipeline
 from ..kernel.metrics import RelayMetrics
 from ..messaging.envelope import Envelope
 from ..messaging.outages import BrokerUnavailableError
+from ..messaging.settings import MessageBusSettings, Transport
 from ..messaging.signing import Signer
 from .consume import ConsumeWrapper
 from .naming import EndpointNames

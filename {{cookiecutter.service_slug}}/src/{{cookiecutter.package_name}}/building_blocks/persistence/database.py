@@ -26,8 +26,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionma
 from sqlalchemy.pool import QueuePool
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from ...settings import DatabaseSettings
 from .guard import GuardedSession, guard_engine
+from .settings import DatabaseSettings
 
 log = logging.getLogger(__name__)
 

@@ -57,11 +57,11 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
 
-from ....settings import MessageBusSettings
 from ...application.handler_types import Consumer
 from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
+from ...messaging.settings import MessageBusSettings
 from ..naming import EndpointNames
 from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, fallback_parser, undecoded_body

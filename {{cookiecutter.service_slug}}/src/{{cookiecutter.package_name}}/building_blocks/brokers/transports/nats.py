@@ -25,11 +25,11 @@ from faststream.nats.prometheus import NatsPrometheusMiddleware
 from nats.errors import ConnectionClosedError, NoServersError
 from nats.js.errors import NotFoundError, ServiceUnavailableError
 
-from ....settings import MessageBusSettings
 from ...application.handler_types import Consumer
 from ...application.messages import IntegrationEvent
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
+from ...messaging.settings import MessageBusSettings
 from ..naming import EndpointNames
 from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, undecoded_body

@@ -30,10 +30,10 @@ from faststream.rabbit.annotations import RabbitMessage
 from faststream.rabbit.prometheus import RabbitPrometheusMiddleware
 from faststream.rabbit.schemas import Channel
 
-from ....settings import MessageBusSettings
 from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
+from ...messaging.settings import MessageBusSettings
 from ..naming import EndpointNames
 from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, undecoded_body

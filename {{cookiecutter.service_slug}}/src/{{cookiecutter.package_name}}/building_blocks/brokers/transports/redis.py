@@ -46,10 +46,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ....settings import MessageBusSettings
 from ...application.handler_types import Consumer
 from ...application.registry import MessageRegistry
 from ...messaging.envelope import Envelope
+from ...messaging.settings import MessageBusSettings
 from ..naming import EndpointNames
 from .base import BROKER_LOG, FastStreamTransport
 from .headers import as_text, fallback_parser, undecoded_body
