@@ -391,8 +391,9 @@ def importlinter_ini(package: str, kit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-LAYERS = ("public", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands", "idempotency")
-LAYERS += ("unit_of_work", "messaging", "polling", "persistence", "application", "kernel", "domain")
+LAYERS = ("public", "testing", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands")
+LAYERS += ("idempotency", "unit_of_work", "messaging", "polling", "persistence", "application", "kernel")
+LAYERS += ("domain",)
 
 
 def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
