@@ -28,8 +28,8 @@ demo: $(BIN)/.installed ## generate a service with the defaults and run it (SQLi
 test: $(BIN)/.installed ## every tier of the template's tests (service-backed ones where services answer)
 	$(BIN)/python -m pytest
 
-test-fast: $(BIN)/.installed ## render and hook tiers only
-	$(BIN)/python -m pytest -m "render or hooks"
+test-fast: $(BIN)/.installed ## the kit's checks, render and hook tiers only
+	$(BIN)/python -m pytest -m "kit or render or hooks"
 
 bake: $(BIN)/.installed ## bake the defaults into $(BAKE_DIR) (add ARGS='broker=nats' to override)
 	rm -rf $(BAKE_DIR)

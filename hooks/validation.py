@@ -124,7 +124,9 @@ DEPENDENCY_NAMES = frozenset(
         "wrapt",
         "yaml",
         "yarl",
-        # folders of the generated project
+        # the kit (the framework, vendored in kit/) and folders of the generated project
+        "outbox_kit",
+        "kit",
         "test",
         "tests",
         "src",

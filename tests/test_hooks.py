@@ -43,6 +43,7 @@ def bake_cli(output: Path, *answers: str) -> subprocess.CompletedProcess[str]:
         ("package_name=sqlmodel", "package_name 'sqlmodel' would shadow a dependency"),
         ("package_name=alembic", "package_name 'alembic' would shadow a dependency"),
         ("package_name=tests", "package_name 'tests' would shadow a dependency"),
+        ("package_name=outbox_kit", "package_name 'outbox_kit' would shadow a dependency"),
         ("package_name=typing", "package_name 'typing' would shadow the standard library"),
         ("service_slug=json", "service_slug 'json' would shadow the standard library"),
         ("service_name=   ", "service_name must not be empty"),

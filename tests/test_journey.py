@@ -50,7 +50,8 @@ fails on purpose while the file named by JOURNEY_FAIL_FLAG exists."""
 import os
 from pathlib import Path
 
-from ...building_blocks.public import HandlerRegistry, Module, UnitOfWork
+from outbox_kit.public import HandlerRegistry, Module, UnitOfWork
+
 from ..orders.domain import OrderPlaced
 
 

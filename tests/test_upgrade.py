@@ -3,7 +3,8 @@
 The template is copied into a git repository of its own (cruft reads templates from git), a
 service is made from it the two documented ways (``cruft create``, or ``cookiecutter`` and then
 ``cruft link`` with the recorded answers), the template changes, and ``cruft update`` must apply
-the change with no conflict and no ``.rej`` file, leaving ``cruft diff`` empty."""
+the change with no conflict and no ``.rej`` file, leaving ``cruft diff`` empty. A service its
+team has extended (a context of its own, edits to the example) takes a new kit the same way."""
 
 from __future__ import annotations
 
@@ -112,3 +113,54 @@ def test_a_linked_service_keeps_its_answers_and_takes_a_template_update(
     commit_everything(project, "track the template with cruft")
     check([CRUFT, "diff", "--exit-code"], project)  # no spurious change right after linking
     assert_clean_update(project, template_repo)
+
+
+KIT_MODULE = "kit/src/outbox_kit/polling/retries.py"
+KIT_CHANGE = ('RETRIES_EXHAUSTED = "retries_exhausted"\n', 'RETRIES_EXHAUSTED = "retries_exhausted"  # v2\n')
+OWN_CONTEXT = {
+    "__init__.py": "",
+    "domain.py": '"""Invoices: the team\'s own context."""\n\nINVOICE_PREFIX = "INV-"\n',
+    "module.py": (
+        "from outbox_kit.public import Module\n\n\n"
+        "def module() -> Module:\n"
+        '    return Module(name="invoices")\n'
+    ),
+}
+
+
+def release_a_new_kit(repo: Path) -> None:
+    """A template release that changes the kit: one of its modules and its changelog."""
+    kit = repo / "{{cookiecutter.service_slug}}"
+    module = kit / KIT_MODULE
+    text = module.read_text()
+    assert text.count(KIT_CHANGE[0]) == 1
+    module.write_text(text.replace(*KIT_CHANGE))
+    changelog = kit / "kit" / "CHANGELOG.md"
+    changelog.write_text(changelog.read_text() + "\n## next\n\n- A change of the kit.\n")
+    commit_everything(repo, "template v2: a new kit")
+
+
+def test_an_extended_service_takes_a_new_kit_without_a_conflict(tmp_path: Path, template_repo: Path) -> None:
+    output = tmp_path / "services"
+    check([CRUFT, "create", "--no-input", "--output-dir", str(output), str(template_repo)], tmp_path)
+    project = output / "order-service"
+    service_repo(project)
+    contexts = project / "src" / "order_service" / "contexts"
+    for name, text in OWN_CONTEXT.items():
+        (contexts / "invoices").mkdir(exist_ok=True)
+        (contexts / "invoices" / name).write_text(text)
+    example = contexts / "orders" / "domain.py"
+    edited = example.read_text() + "\n\n# The team's own rule, added after generation.\nMAX_LINES = 50\n"
+    example.write_text(edited)
+    commit_everything(project, "our own context, and a rule in the example")
+
+    release_a_new_kit(template_repo)
+    updated = check([CRUFT, "update", "--skip-apply-ask"], project)
+    assert "conflict" not in (updated.stdout + updated.stderr).lower(), updated.stdout + updated.stderr
+    assert sorted(p.name for p in project.rglob("*.rej")) == []
+    assert KIT_CHANGE[1] in (project / KIT_MODULE).read_text()
+    assert (project / "kit" / "CHANGELOG.md").read_text().endswith("- A change of the kit.\n")
+    assert example.read_text() == edited  # the team's edits and context are left as they were
+    assert (contexts / "invoices" / "module.py").read_text() == OWN_CONTEXT["module.py"]
+    changed = sorted(line[3:] for line in git(project, "status", "--porcelain").splitlines())
+    assert changed == [".cruft.json", "kit/CHANGELOG.md", KIT_MODULE], changed

@@ -39,22 +39,22 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import (
+from outbox_kit.application.handler_types import (
     Consumer,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
+from outbox_kit.brokers.faststream_bus import (
     build_transport,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+from outbox_kit.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import (
+from outbox_kit.brokers.transports.ports import (
     Delivery,
 )
+
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )

@@ -30,22 +30,22 @@ from pathlib import Path
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import create_async_engine
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     RequestContext,
     use_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.persistence.audit_tables import (
     InboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
+from sqlalchemy.ext.asyncio import create_async_engine
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,

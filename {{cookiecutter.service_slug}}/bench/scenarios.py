@@ -42,29 +42,29 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
+from outbox_kit.brokers.faststream_bus import (
     FastStreamBus,
     build_transport,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+from outbox_kit.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import (
+from outbox_kit.kernel.hops import (
     capture,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     use_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+from outbox_kit.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -7,14 +7,14 @@ place). The URL comes from the caller (``config.attributes["database_url"]``) or
 import asyncio
 from logging.config import fileConfig
 
+# Every table the framework owns: a module left out here is a table autogenerate would drop.
+import outbox_kit.persistence.audit_tables
+import outbox_kit.persistence.tables  # noqa: F401
 from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-# Every table the framework owns: a module left out here is a table autogenerate would drop.
-import {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables
-import {{ cookiecutter.package_name }}.building_blocks.persistence.tables  # noqa: F401
 from {{ cookiecutter.package_name }}.composition.modules import build_modules
 from {{ cookiecutter.package_name }}.settings import (
     Settings,

@@ -33,13 +33,13 @@ from urllib.parse import urlparse
 import pytest
 import sqlalchemy as sa
 from fastapi import APIRouter
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlmodel import SQLModel
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     RequestContext,
     use_context,
 )
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlmodel import SQLModel
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,

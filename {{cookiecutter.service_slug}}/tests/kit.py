@@ -1,4 +1,4 @@
-"""A tiny bounded context used only by the tests, so the building blocks are proven whether or
+"""A tiny bounded context used only by the tests, so the kit is proven whether or
 not the example contexts were generated: a ``Counter`` aggregate with its own table (created by
 the fixture, outside the migrations), events, an integration event and an internal command."""
 
@@ -10,26 +10,26 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
-from sqlmodel.ext.asyncio.session import AsyncSession
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,
     applies,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     current_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.repository import (
+from outbox_kit.unit_of_work.repository import (
     Repository,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+from sqlmodel.ext.asyncio.session import AsyncSession
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

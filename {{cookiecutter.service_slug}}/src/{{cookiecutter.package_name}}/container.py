@@ -14,23 +14,23 @@ from collections.abc import Callable
 from typing import Any
 
 from dependency_injector import containers, providers
-
-from .building_blocks.application.module import (
+from outbox_kit.application.module import (
     collect_adapters,
 )
-from .building_blocks.commands.deliverer import CommandDeliverer
-from .building_blocks.inbox.pipeline import ConsumePipeline
-from .building_blocks.kernel.clock import system_clock
-from .building_blocks.kernel.metrics import RelayMetrics
-from .building_blocks.messaging.circuit import CircuitBreaker
-from .building_blocks.operations.admin import RelayAdministration
-from .building_blocks.operations.retention import RetentionCleaner
-from .building_blocks.outbox.deliverer import OutboxDeliverer
-from .building_blocks.persistence.database import Database
-from .building_blocks.polling.wake import WakeSignal
-from .building_blocks.runtime.worker import Worker
-from .building_blocks.unit_of_work.capture import notify_channel
-from .building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.commands.deliverer import CommandDeliverer
+from outbox_kit.inbox.pipeline import ConsumePipeline
+from outbox_kit.kernel.clock import system_clock
+from outbox_kit.kernel.metrics import RelayMetrics
+from outbox_kit.messaging.circuit import CircuitBreaker
+from outbox_kit.operations.admin import RelayAdministration
+from outbox_kit.operations.retention import RetentionCleaner
+from outbox_kit.outbox.deliverer import OutboxDeliverer
+from outbox_kit.persistence.database import Database
+from outbox_kit.polling.wake import WakeSignal
+from outbox_kit.runtime.worker import Worker
+from outbox_kit.unit_of_work.capture import notify_channel
+from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+
 from .composition.diagnostics import warn_about_unsafe_configuration
 from .composition.edges import build_bus, build_http_metrics, build_signer, build_tokens, build_tracing
 from .composition.modules import build_handlers, build_modules, build_registry

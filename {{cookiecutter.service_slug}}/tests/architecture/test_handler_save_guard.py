@@ -21,33 +21,33 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import handler_name
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.handler_types import handler_name
+from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,
     Message,
     applies,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import InboxMessage
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.audit_tables import InboxMessage
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
+from outbox_kit.unit_of_work.factory import (
     UnitOfWorkFactory,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.repository import (
+from outbox_kit.unit_of_work.repository import (
     Repository,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     HandlerMustNotSaveError,
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

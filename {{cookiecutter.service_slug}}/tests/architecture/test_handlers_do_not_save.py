@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.application.module import (
+from outbox_kit.application.module import (
     collect_adapters,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.composition.modules import build_handlers, build_modules
 
 from .fixtures.save_fixtures import registry as fixtures

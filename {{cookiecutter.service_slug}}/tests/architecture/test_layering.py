@@ -1,7 +1,7 @@
 """Layering: the import-linter contracts of ``pyproject.toml`` (and proof that each one can
-break), no import cycle anywhere in the package, bounded contexts that never import each other
-and use the building blocks only through their public surface, building blocks that import no
-context, and a domain that imports only what it is allowed to (an allowlist, not a denylist).
+break), no import cycle anywhere in the service or the kit, bounded contexts that never import
+each other and use the kit only through its public surface, a kit that imports no context, and
+a domain that imports only what it is allowed to (an allowlist, not a denylist).
 
 The contexts are discovered the way the container discovers them (every folder of ``contexts/``
 with a ``module.py``), so a context you add is covered without editing this file. Indirect
@@ -23,20 +23,19 @@ from pathlib import Path
 import grimp
 import pytest
 
-from {{ cookiecutter.package_name }}.building_blocks.application import (
-    module as context_contract,
-)
+import {{ cookiecutter.package_name }} as service
 
 from .import_contracts import (
+    KIT,
     bounded_contexts,
-    building_block_imports_of_contexts,
     cross_context_imports,
-    private_building_block_imports,
+    kit_imports_of_contexts,
+    private_kit_imports,
 )
 
 pytestmark = pytest.mark.architecture
 
-PACKAGE = context_contract.__name__.partition(".")[0]
+PACKAGE = service.__name__
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -60,8 +59,9 @@ def test_import_linter_contracts_are_kept() -> None:
     assert int(kept.group(1)) >= 6, output
 
 
-def package_graph(package: str) -> grimp.ImportGraph:
-    return grimp.build_graph(package, cache_dir=None)
+def package_graph(package: str, kit: str = KIT) -> grimp.ImportGraph:
+    """The import graph of the service's package and the kit's, together."""
+    return grimp.build_graph(package, kit, cache_dir=None)
 
 
 def test_bounded_contexts_do_not_import_each_other() -> None:
@@ -78,7 +78,6 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
     package = f"layering_probe_{uuid.uuid4().hex[:8]}"
     files = {
         "__init__.py": "",
-        "building_blocks/__init__.py": "",
         "contracts/__init__.py": "",
         "contracts/module.py": "",
         "contexts/__init__.py": "",
@@ -90,13 +89,10 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
         "contexts/shipping/domain.py": "class Parcel: ...\n",
         "contexts/notes/__init__.py": "",  # no module.py: not a context
     }
-    for name, text in files.items():
-        path = tmp_path / package / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+    write_probe(tmp_path, package, files)
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    graph = package_graph(package)
+    graph = package_graph(package, f"{package}_kit")
     assert bounded_contexts(graph, package) == ["billing", "shipping"]
     assert cross_context_imports(graph, package) == [
         (
@@ -106,34 +102,34 @@ def test_a_context_importing_another_is_caught(tmp_path: Path, monkeypatch: pyte
     ]
 
 
-def test_building_blocks_import_no_bounded_context() -> None:
-    violations = building_block_imports_of_contexts(package_graph(PACKAGE), PACKAGE)
+def test_the_kit_imports_no_bounded_context() -> None:
+    violations = kit_imports_of_contexts(package_graph(PACKAGE), PACKAGE)
 
     assert violations == [], (
-        "building_blocks is shared by every context and must not import one; move the code into "
-        "the context, or make the building block take it as a parameter:\n" + "\n".join(violations)
+        "The kit is shared by every context and must not import one; move the code into the "
+        "context, or make the kit take it as a parameter:\n" + "\n".join(violations)
     )
 
 
-def domain_root(package: str, module: str) -> str | None:
-    """``<package>.building_blocks.domain`` or ``<package>.contexts.<name>.domain`` (None when the
-    module is no domain module)."""
+def domain_root(package: str, module: str, kit: str = KIT) -> str | None:
+    """``<kit>.domain`` or ``<package>.contexts.<name>.domain`` (None when the module is no domain
+    module)."""
     parts = module.split(".")
-    if parts[:3] == [package, "building_blocks", "domain"]:
-        return ".".join(parts[:3])
+    if parts[:2] == [kit, "domain"]:
+        return ".".join(parts[:2])
     if len(parts) >= 4 and parts[:2] == [package, "contexts"] and parts[3] == "domain":
         return ".".join(parts[:4])
     return None
 
 
-def domain_imports_outside_the_allowlist(package: str) -> list[str]:
-    """Imports of domain modules (``<context>.domain``, ``building_blocks.domain``) that are not
-    the standard library, the domain building blocks or the context's own domain."""
-    graph = grimp.build_graph(package, include_external_packages=True, cache_dir=None)
-    allowed_shared = f"{package}.building_blocks.domain"
+def domain_imports_outside_the_allowlist(package: str, kit: str = KIT) -> list[str]:
+    """Imports of domain modules (``<context>.domain``, the kit's ``domain``) that are not the
+    standard library, the kit's domain or the context's own domain."""
+    graph = grimp.build_graph(package, kit, include_external_packages=True, cache_dir=None)
+    allowed_shared = f"{kit}.domain"
     violations: list[str] = []
-    for module in sorted(m for m in graph.modules if domain_root(package, m) is not None):
-        own = str(domain_root(package, module))
+    for module in sorted(m for m in graph.modules if domain_root(package, m, kit) is not None):
+        own = str(domain_root(package, module, kit))
         for imported in sorted(graph.find_modules_directly_imported_by(module)):
             top = imported.partition(".")[0]
             if top in sys.stdlib_module_names or top == "__future__":
@@ -145,43 +141,44 @@ def domain_imports_outside_the_allowlist(package: str) -> list[str]:
     return violations
 
 
-def test_the_domain_imports_only_the_standard_library_and_domain_building_blocks() -> None:
+def test_the_domain_imports_only_the_standard_library_and_the_kits_domain() -> None:
     violations = domain_imports_outside_the_allowlist(PACKAGE)
 
     assert violations == [], (
-        "A domain module may import the standard library, building_blocks.domain and its own "
+        f"A domain module may import the standard library, {KIT}.domain and its own "
         "context's domain only (no framework, no persistence, no other context):\n" + "\n".join(violations)
     )
 
 
-def is_adapter(package: str, module: str) -> bool:
-    """A concrete adapter: a context's ``infrastructure``, the brokers (buses and transports)."""
+def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
+    """A concrete adapter: a context's ``infrastructure``, the kit's brokers (buses and transports)."""
     parts = module.removeprefix(f"{package}.").split(".")
     if parts[0] == "contexts" and len(parts) >= 3 and parts[2] == "infrastructure":
         return True
-    return parts[:2] == ["building_blocks", "brokers"]
+    return module == f"{kit}.brokers" or module.startswith(f"{kit}.brokers.")
 
 
-def may_import_adapters(package: str, module: str) -> bool:
+def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
     """The composition: the container and its builders, the entrypoints, a context's
     ``module.py`` (its adapters map), and the adapters themselves."""
     parts = module.removeprefix(f"{package}.").split(".")
-    composition = parts[0] in {"container", "composition", "entrypoints"} or (
-        parts[0] == "contexts" and parts[-1] == "module"
+    composition = module.startswith(f"{package}.") and (
+        parts[0] in {"container", "composition", "entrypoints"}
+        or (parts[0] == "contexts" and parts[-1] == "module")
     )
-    return composition or is_adapter(package, module)
+    return composition or is_adapter(package, module, kit)
 
 
-def adapter_imports_outside_the_composition(package: str) -> list[str]:
+def adapter_imports_outside_the_composition(package: str, kit: str = KIT) -> list[str]:
     """Every direct import of a concrete adapter by a module that is not allowed one (an
     allowlist: a context module with a name no contract lists is covered too)."""
-    graph = package_graph(package)
+    graph = package_graph(package, kit)
     found: list[str] = []
     for module in sorted(graph.modules):
-        if may_import_adapters(package, module):
+        if may_import_adapters(package, module, kit):
             continue
         for imported in sorted(graph.find_modules_directly_imported_by(module)):
-            if is_adapter(package, imported):
+            if is_adapter(package, imported, kit):
                 lines = graph.get_import_details(importer=module, imported=imported) or [{}]
                 found += [f"{module}:{line.get('line_number', '?')} imports {imported}" for line in lines]
     return found
@@ -197,57 +194,59 @@ def test_only_the_composition_imports_concrete_adapters() -> None:
 
 
 def write_probe(root: Path, package: str, files: dict[str, str]) -> None:
+    """A probe service package, and beside it its kit (``<package>_kit``): a file named
+    ``kit/...`` goes to the kit."""
+    (root / f"{package}_kit").mkdir(parents=True, exist_ok=True)
+    (root / f"{package}_kit" / "__init__.py").touch()
     for name, text in files.items():
-        path = root / package / name
+        folder, _, rest = name.partition("/")
+        path = root / f"{package}_kit" / rest if folder == "kit" else root / package / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
 
 
-def test_a_building_block_importing_a_context_and_a_leaky_domain_are_caught(
+def test_the_kit_importing_a_context_and_a_leaky_domain_are_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     package = f"layering_probe_{uuid.uuid4().hex[:8]}"
+    kit = f"{package}_kit"
     write_probe(
         tmp_path,
         package,
         {
             "__init__.py": "",
-            "building_blocks/__init__.py": "",
-            "building_blocks/domain/__init__.py": "import dataclasses\n",
-            "building_blocks/persistence.py": "",
-            "building_blocks/registry.py": f"from {package}.contexts.billing import module\n",
+            "kit/domain/__init__.py": "import dataclasses\n",
+            "kit/persistence.py": "",
+            "kit/registry.py": f"from {package}.contexts.billing import module\n",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
             "contexts/billing/module.py": "",
             "contexts/billing/domain.py": (
                 "from __future__ import annotations\n"
                 "import decimal\n"
-                f"from {package}.building_blocks.domain import dataclasses\n"
-                f"from {package}.building_blocks import persistence\n"
+                f"from {kit}.domain import dataclasses\n"
+                f"from {kit} import persistence\n"
                 "import pytest\n"
             ),
         },
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert building_block_imports_of_contexts(package_graph(package), package) == [
-        (
-            f"building_blocks -> contexts.billing: {package}.building_blocks.registry -> "
-            f"{package}.contexts.billing.module"
-        )
+    assert kit_imports_of_contexts(package_graph(package, kit), package, kit) == [
+        f"{kit} -> contexts.billing: {kit}.registry -> {package}.contexts.billing.module"
     ]
-    assert domain_imports_outside_the_allowlist(package) == [
-        f"{package}.contexts.billing.domain:4 imports {package}.building_blocks.persistence",
+    assert domain_imports_outside_the_allowlist(package, kit) == [
+        f"{package}.contexts.billing.domain:4 imports {kit}.persistence",
         f"{package}.contexts.billing.domain:5 imports pytest",
     ]
 
 
-def test_contexts_use_only_the_public_surface_of_the_building_blocks() -> None:
-    violations = private_building_block_imports(package_graph(PACKAGE), PACKAGE)
+def test_contexts_use_only_the_public_surface_of_the_kit() -> None:
+    violations = private_kit_imports(package_graph(PACKAGE), PACKAGE)
 
     assert violations == [], (
-        "A context imports from the building blocks only building_blocks.public (and "
-        "building_blocks.domain in its domain layer):\n" + "\n".join(violations)
+        f"A context imports from the kit only {KIT}.public (and {KIT}.domain in its domain "
+        "layer):\n" + "\n".join(violations)
     )
 
 
@@ -255,34 +254,34 @@ def test_a_context_reaching_past_the_public_surface_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     package = f"surface_probe_{uuid.uuid4().hex[:8]}"
+    kit = f"{package}_kit"
     write_probe(
         tmp_path,
         package,
         {
             "__init__.py": "",
-            "building_blocks/__init__.py": "",
-            "building_blocks/public.py": f"from {package}.building_blocks.polling import leases\n",
-            "building_blocks/domain/__init__.py": "",
-            "building_blocks/polling/__init__.py": "",
-            "building_blocks/polling/leases.py": "",
+            "kit/public.py": f"from {kit}.polling import leases\n",
+            "kit/domain/__init__.py": "",
+            "kit/polling/__init__.py": "",
+            "kit/polling/leases.py": "",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
-            "contexts/billing/module.py": f"from {package}.building_blocks import public\n",
-            "contexts/billing/domain.py": f"from {package}.building_blocks import domain\n",
-            "contexts/billing/application.py": f"\nfrom {package}.building_blocks.polling import leases\n",
+            "contexts/billing/module.py": f"from {kit} import public\n",
+            "contexts/billing/domain.py": f"from {kit} import domain\n",
+            "contexts/billing/application.py": f"\nfrom {kit}.polling import leases\n",
         },
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert private_building_block_imports(package_graph(package), package) == [
-        f"{package}.contexts.billing.application:2 imports {package}.building_blocks.polling.leases"
+    assert private_kit_imports(package_graph(package, kit), package, kit) == [
+        f"{package}.contexts.billing.application:2 imports {kit}.polling.leases"
     ]
 
 
-def import_cycles(package: str) -> list[list[str]]:
+def import_cycles(package: str, kit: str = KIT) -> list[list[str]]:
     """Every group of modules that import each other, directly or in a ring (type-only imports
     included), as sorted module lists."""
-    graph = package_graph(package)
+    graph = package_graph(package, kit)
     cycles = []
     for module in sorted(graph.modules):
         for imported in graph.find_modules_directly_imported_by(module):
@@ -324,14 +323,15 @@ def test_a_cycle_through_a_type_only_import_is_caught(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert import_cycles(package) == [[f"{package}.factory", f"{package}.unit"]]
+    assert import_cycles(package, f"{package}_kit") == [[f"{package}.factory", f"{package}.unit"]]
 
 
 def test_an_adapter_imported_outside_the_composition_is_caught(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     package = f"adapter_probe_{uuid.uuid4().hex[:8]}"
-    brokers = f"{package}.building_blocks.brokers"
+    kit = f"{package}_kit"
+    brokers = f"{kit}.brokers"
     write_probe(
         tmp_path,
         package,
@@ -340,11 +340,10 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
             "container.py": f"from {brokers} import transports\n",
             "composition/__init__.py": "",
             "composition/edges.py": f"from {brokers} import faststream_bus\n",
-            "building_blocks/__init__.py": "",
-            "building_blocks/runtime.py": f"from {brokers} import faststream_bus\n",
-            "building_blocks/brokers/__init__.py": "",
-            "building_blocks/brokers/faststream_bus.py": f"from {brokers} import transports\n",
-            "building_blocks/brokers/transports.py": "",
+            "kit/runtime.py": f"from {brokers} import faststream_bus\n",
+            "kit/brokers/__init__.py": "",
+            "kit/brokers/faststream_bus.py": f"from {brokers} import transports\n",
+            "kit/brokers/transports.py": "",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
             "contexts/billing/module.py": f"from {package}.contexts.billing import infrastructure\n",
@@ -354,19 +353,28 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
 
-    assert adapter_imports_outside_the_composition(package) == [
-        f"{package}.building_blocks.runtime:1 imports {package}.building_blocks.brokers.faststream_bus",
+    assert adapter_imports_outside_the_composition(package, kit) == [
         f"{package}.contexts.billing.services:1 imports {package}.contexts.billing.infrastructure",
+        f"{kit}.runtime:1 imports {kit}.brokers.faststream_bus",
     ]
 
 
-def importlinter_ini(package: str) -> str:
-    """The project's import-linter contracts, for another root package, as an ``.ini`` file."""
+def renamed(text: str, package: str, kit: str) -> str:
+    """``text`` with the service's package and the kit's renamed (whole names only: a service
+    called ``outbox`` must not rename ``outbox_kit``)."""
+    for old, new in ((PACKAGE, package), (KIT, kit)):
+        text = re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, text)
+    return text
+
+
+def importlinter_ini(package: str, kit: str) -> str:
+    """The project's import-linter contracts, for other root packages, as an ``.ini`` file."""
     config = tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     linter = config["tool"]["importlinter"]
     lines = [
         "[importlinter]",
-        f"root_package = {package}",
+        "root_packages ="
+        + "".join(f"\n    {renamed(root, package, kit)}" for root in linter["root_packages"]),
         f"include_external_packages = {linter.get('include_external_packages', False)}",
         "contract_types =" + "".join(f"\n    {entry}" for entry in linter.get("contract_types", [])),
     ]
@@ -374,22 +382,25 @@ def importlinter_ini(package: str) -> str:
         lines.append(f"[importlinter:contract:{number}]")
         for key, value in contract.items():
             if isinstance(value, list):
-                items = "".join(f"\n    {item.replace(PACKAGE, package, 1)}" for item in value)
+                items = "".join(f"\n    {renamed(item, package, kit)}" for item in value)
                 lines.append(f"{key} ={items}")
+            elif key == "name":  # as written: the report names the contract
+                lines.append(f"{key} = {value}")
             else:
-                lines.append(f"{key} = {str(value).replace(PACKAGE, package, 1)}")
+                lines.append(f"{key} = {renamed(str(value), package, kit)}")
     return "\n".join(lines) + "\n"
 
 
-LAYERS = ("public", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands", "idempotency")
-LAYERS += ("unit_of_work", "messaging", "polling", "persistence", "application", "kernel", "domain")
+LAYERS = ("public", "testing", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands")
+LAYERS += ("idempotency", "unit_of_work", "messaging", "polling", "persistence", "application", "kernel")
+LAYERS += ("domain",)
 
 
 def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
     """A probe package breaks each contract once: each is reported broken, so none is vacuous
     (a pattern that matches no module, a misspelt package)."""
     package = f"contract_probe_{uuid.uuid4().hex[:8]}"
-    bb = f"{package}.building_blocks"
+    kit = f"{package}_kit"
     write_probe(
         tmp_path,
         package,
@@ -401,24 +412,23 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
             "contracts/__init__.py": "",
             "settings.py": "",
             "about.py": "",
-            "building_blocks/__init__.py": "",
-            **{f"building_blocks/{layer}/__init__.py": "" for layer in LAYERS},
-            "building_blocks/kernel/clock.py": f"import {bb}.brokers\n",  # a floor imports upwards
-            "building_blocks/application/handlers.py": f"import {package}.container\n",
-            "building_blocks/persistence/tables.py": f"import {package}.contexts.shipping.module\n",
+            **{f"kit/{layer}/__init__.py": "" for layer in LAYERS},
+            "kit/kernel/clock.py": f"import {kit}.brokers\n",  # a floor imports upwards
+            "kit/application/handlers.py": f"import {package}.container\n",
+            "kit/persistence/tables.py": f"import {package}.contexts.shipping.module\n",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
             "contexts/billing/module.py": f"import {package}.contexts.shipping.module\n",
-            "contexts/billing/domain.py": f"import {bb}.persistence\n",
+            "contexts/billing/domain.py": f"import {kit}.persistence\n",
             "contexts/billing/infrastructure.py": "",
             "contexts/billing/application.py": f"import {package}.contexts.billing.infrastructure\n",
-            "contexts/billing/api.py": f"import {bb}.web\n",  # past the public surface
+            "contexts/billing/api.py": f"import {kit}.web\n",  # past the public surface
             "contexts/shipping/__init__.py": "",
             "contexts/shipping/module.py": "",
         },
     )
     config = tmp_path / ".importlinter"
-    config.write_text(importlinter_ini(package), encoding="utf-8")
+    config.write_text(importlinter_ini(package, kit), encoding="utf-8")
     result = subprocess.run(
         [*lint_imports_command(), str(config)],
         cwd=tmp_path,
@@ -438,5 +448,5 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
     for contract in contracts:
         assert f"{contract['name']} BROKEN" in output, output
     assert "contexts.billing -> contexts.shipping" in output  # the discovered contexts, with the chain
-    assert "building_blocks -> contexts.shipping" in output
+    assert f"{kit} -> contexts.shipping" in output
     assert f"{package}.contexts.billing.api:1 imports" in output  # the public surface, with the line

@@ -1,6 +1,6 @@
 """Fitness rules of the outbox and the inbox, checked over the service's source.
 
-* Only the outbox processor publishes: no code outside ``building_blocks/outbox/deliverer.py``,
+* Only the outbox processor publishes: no code outside the kit's ``outbox/deliverer.py``,
   the buses it publishes through and the transports themselves (dead-letter copies included;
   ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
   only the transports import a broker client library, so every integration event leaves
@@ -35,27 +35,27 @@ from pathlib import Path
 from typing import Any, TypeGuard, cast
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.consume import (
+from outbox_kit.brokers.consume import (
     ConsumeWrapper,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.in_process import (
+from outbox_kit.brokers.in_process import (
     InProcessBus,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,
     validate_event_name,
 )
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
+from outbox_kit.inbox.pipeline import (
     ConsumePipeline,
 )
+
 from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
 from {{ cookiecutter.package_name }}.container import Container
 
@@ -72,26 +72,27 @@ from .callgraph import (
 
 pytestmark = pytest.mark.architecture
 
-PACKAGE = InProcessBus.__module__.partition(".")[0]
+PACKAGE = Container.__module__.partition(".")[0]
+KIT = InProcessBus.__module__.partition(".")[0]
 PUBLISH = frozenset({"publish", "publish_batch"})
 SUBSCRIBE = frozenset({"subscriber", "subscribe"})
 # Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
 MAY_PUBLISH = (
-    "building_blocks/outbox/deliverer.py",  # the outbox processor's deliverer: the one publisher
-    "building_blocks/messaging/bus.py",  # the MessageBus port declares it
-    "building_blocks/brokers/faststream_bus.py",  # the bus the processor publishes through
-    "building_blocks/brokers/in_process.py",  # the in-process bus
-    "building_blocks/brokers/transports/",  # broker adapters, their retry and dead-letter copies
-    "building_blocks/messaging/direct.py",  # outbox off, in-process only (brokers refuse it)
+    "outbox_kit/outbox/deliverer.py",  # the outbox processor's deliverer: the one publisher
+    "outbox_kit/messaging/bus.py",  # the MessageBus port declares it
+    "outbox_kit/brokers/faststream_bus.py",  # the bus the processor publishes through
+    "outbox_kit/brokers/in_process.py",  # the in-process bus
+    "outbox_kit/brokers/transports/",  # broker adapters, their retry and dead-letter copies
+    "outbox_kit/messaging/direct.py",  # outbox off, in-process only (brokers refuse it)
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
 # broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.
 BROKER_CLIENTS = frozenset(
     {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
 )
-MAY_IMPORT_BROKER_CLIENTS = ("building_blocks/brokers/transports/",)
-MAY_SUBSCRIBE = ("building_blocks/brokers/",)
-CALLS_CONSUMER_HANDLERS = ("building_blocks/inbox/pipeline.py",)
+MAY_IMPORT_BROKER_CLIENTS = ("outbox_kit/brokers/transports/",)
+MAY_SUBSCRIBE = ("outbox_kit/brokers/",)
+CALLS_CONSUMER_HANDLERS = ("outbox_kit/inbox/pipeline.py",)
 
 
 @dataclass(frozen=True)
@@ -106,12 +107,16 @@ class Site:
 
 @pytest.fixture(scope="module")
 def graph() -> CallGraph:
-    return CallGraph(source_index((PACKAGE,)))
+    return CallGraph(source_index((PACKAGE, KIT)))
 
 
 def relative(graph: CallGraph, path: Path) -> str:
-    root = graph.index.modules[graph.index.packages[0]].path.parent
-    return path.relative_to(root).as_posix()
+    """``<package>/<path in it>`` for a file of one of the graph's packages."""
+    for package in graph.index.packages:
+        folder = graph.index.modules[package].path.parent
+        if path.is_relative_to(folder):
+            return f"{package}/{path.relative_to(folder).as_posix()}"
+    return path.as_posix()
 
 
 def attribute_sites(graph: CallGraph, names: frozenset[str], *, called: bool = False) -> Iterator[Site]:
@@ -221,13 +226,14 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
     """The publish rules are not vacuous: a probe service that publishes from its application
     layer, by the bus and by a raw client, is reported at each line."""
     package = f"publish_probe_{uuid.uuid4().hex[:8]}"
+    kit = f"{package}_kit"
     files = {
-        "__init__.py": "",
-        "building_blocks/__init__.py": "",
-        "building_blocks/brokers/__init__.py": "",
-        "building_blocks/brokers/transports/__init__.py": "import aio_pika\n",
-        "billing/__init__.py": "",
-        "billing/application.py": (
+        f"{kit}/__init__.py": "",
+        f"{kit}/brokers/__init__.py": "",
+        f"{kit}/brokers/transports/__init__.py": "import aio_pika\n",
+        f"{package}/__init__.py": "",
+        f"{package}/billing/__init__.py": "",
+        f"{package}/billing/application.py": (
             "import redis.asyncio\n"
             "from faststream.rabbit import RabbitBroker\n\n\n"
             "async def bill(bus, client):\n"
@@ -236,23 +242,27 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
         ),
     }
     for name, text in files.items():
-        path = tmp_path / package / name
+        path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
-    probe = CallGraph(source_index((package,)))
+    probe = CallGraph(source_index((package, kit)))
 
-    assert outside(attribute_sites(probe, PUBLISH), MAY_PUBLISH) == ["billing/application.py:6: bus.publish"]
-    assert outside(broker_client_imports(probe), MAY_IMPORT_BROKER_CLIENTS) == [
-        "billing/application.py:1: import redis.asyncio",
-        "billing/application.py:2: from faststream.rabbit import RabbitBroker",
+    def allowed(paths: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(path.replace(f"{KIT}/", f"{kit}/", 1) for path in paths)
+
+    publishing = outside(attribute_sites(probe, PUBLISH), allowed(MAY_PUBLISH))
+    assert publishing == [f"{package}/billing/application.py:6: bus.publish"]
+    assert outside(broker_client_imports(probe), allowed(MAY_IMPORT_BROKER_CLIENTS)) == [
+        f"{package}/billing/application.py:1: import redis.asyncio",
+        f"{package}/billing/application.py:2: from faststream.rabbit import RabbitBroker",
     ]
 
 
 def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> None:
     publishers = {site.path for site in attribute_sites(graph, PUBLISH, called=True)}
 
-    assert "building_blocks/outbox/deliverer.py" in publishers
+    assert "outbox_kit/outbox/deliverer.py" in publishers
 
 
 # -- integration events: stable, versioned, unique names --------------------------------------

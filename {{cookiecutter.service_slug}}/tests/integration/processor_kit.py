@@ -9,21 +9,21 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+from outbox_kit.kernel.time_limits import TimeLimit
+from outbox_kit.kernel.tracing import (
     SpanKind,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.ports import SourceSettings
+from outbox_kit.polling.results import Delivered
+from outbox_kit.polling.source import (
     TableSource,
 )
+
 from {{ cookiecutter.package_name }}.composition.relay import source_settings
 from {{ cookiecutter.package_name }}.container import Container
 

@@ -7,16 +7,16 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 from fastapi import FastAPI
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     ConcurrencyError,
     DomainError,
     NotFoundError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web.errors import install_error_handlers
+from outbox_kit.web.errors import install_error_handlers
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

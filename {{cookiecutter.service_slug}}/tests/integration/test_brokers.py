@@ -25,36 +25,36 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from sqlalchemy.engine import make_url
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+from outbox_kit.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats import (
+from outbox_kit.brokers.transports.nats import (
     NatsTransport,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
+from outbox_kit.brokers.transports.rabbit import (
     TopologyMismatchError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
+from outbox_kit.brokers.transports.redis_delivery import (
     RedisDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.inbox.delivery import current_delivery
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
-from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import current_context
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import Tracing
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
-from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.inbox.delivery import current_delivery
+from outbox_kit.kernel.hops import capture
+from outbox_kit.kernel.otel import OpenTelemetryTracing
+from outbox_kit.kernel.request_context import current_context
+from outbox_kit.kernel.tracing import Tracing
+from outbox_kit.messaging.envelope import Envelope
+from outbox_kit.messaging.signing import Signer
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+from sqlalchemy.engine import make_url
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
@@ -516,7 +516,7 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     orphan = Envelope(base.message_id, "kit.nobody-listens.v1", base.occurred_on, base.body, base.context)
     with pytest.raises(Exception, match="NO_ROUTE|delivery failed") as failure:
         await container.bus().publish(orphan)
-    from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import (
+    from outbox_kit.messaging.circuit import (
         BrokerUnavailableError,
     )
 

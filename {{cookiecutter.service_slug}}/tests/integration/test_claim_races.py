@@ -23,26 +23,26 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
-
-from {{ cookiecutter.package_name }}.building_blocks.operations.replay import (
+from outbox_kit.operations.replay import (
     return_to_pending,
 )
-from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import (
+from outbox_kit.operations.tenant_scope import (
     EVERY_TENANT,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX,
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import (
+from outbox_kit.polling.claimed import (
     ClaimedRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import (
+from outbox_kit.polling.results import (
     Delivered,
 )
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,

@@ -12,11 +12,11 @@ from decimal import Decimal
 
 import pytest
 import sqlalchemy as sa
-from sqlmodel import select
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
 )
+from sqlmodel import select
+
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )

@@ -12,13 +12,13 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.persistence.audit_tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -20,23 +20,23 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.base import (
+from outbox_kit.brokers.transports.base import (
     ReceivedMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import (
+from outbox_kit.brokers.transports.kafka_delivery import (
     KafkaDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import (
+from outbox_kit.brokers.transports.nats_delivery import (
     NatsDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.ports import DeadLetterCopy
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit_delivery import (
+from outbox_kit.brokers.transports.ports import DeadLetterCopy
+from outbox_kit.brokers.transports.rabbit_delivery import (
     RabbitDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.redis_delivery import (
+from outbox_kit.brokers.transports.redis_delivery import (
     RedisDelivery,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

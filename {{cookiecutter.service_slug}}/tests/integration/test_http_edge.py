@@ -18,21 +18,21 @@ import httpx
 import jwt
 import pytest
 from fastapi import APIRouter, Depends, status
-from pydantic import BaseModel, Field
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     RequestContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
+from outbox_kit.unit_of_work.factory import (
     UnitOfWorkFactory,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import (
+from outbox_kit.web.dependencies import (
     authenticated,
     units_of_work,
 )
+from pydantic import BaseModel, Field
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

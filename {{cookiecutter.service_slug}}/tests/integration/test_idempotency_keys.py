@@ -1,4 +1,4 @@
-"""The framework's idempotency keys (``building_blocks/idempotency``) on SQLite and PostgreSQL,
+"""The framework's idempotency keys (``outbox_kit.idempotency``) on SQLite and PostgreSQL,
 with the test kit's aggregate (the example's ``POST /orders`` is covered over HTTP in
 test_example_idempotency_keys.py): the key row commits with what the command created or not at
 all, concurrent runs with one key create one thing, the answer shows the saved version, and the
@@ -14,19 +14,19 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.idempotency.keys import (
+from outbox_kit.idempotency.keys import (
     Answer,
     IdempotencyKey,
     IdempotencyKeyReusedError,
     run_once,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.persistence.audit_tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -19,16 +19,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+from outbox_kit.polling.claim import (
     Claimer,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,

@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import (
+from outbox_kit.brokers.transports.kafka import (
     KafkaTransport,
 )
 

@@ -14,26 +14,26 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from prometheus_client import generate_latest
-from sqlmodel import select
-
-from {{ cookiecutter.package_name }}.building_blocks.operations.requests import AdminError
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.operations.requests import AdminError
+from outbox_kit.persistence.audit_tables import (
     DeadLetterReplay,
     InboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import COMMAND_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import COMMAND_TABLE
+from outbox_kit.persistence.tables import (
     InternalCommand as InternalCommandRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.polling.results import Delivered
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+from prometheus_client import generate_latest
+from sqlmodel import select
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
@@ -328,7 +328,7 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     seen: list[tuple[str | None, str]] = []
 
     async def run_command(command: RecordEffect, uow: SqlUnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+        from outbox_kit.kernel.request_context import (
             current_context,
         )
 

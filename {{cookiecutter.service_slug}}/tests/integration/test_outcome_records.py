@@ -13,13 +13,13 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy.exc import DataError
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.results import Delivered
+from sqlalchemy.exc import DataError
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

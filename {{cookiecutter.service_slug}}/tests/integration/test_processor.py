@@ -14,20 +14,20 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.exc import DBAPIError
-
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     DomainEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import CircuitOpenError
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.messaging.outages import CircuitOpenError
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
+from outbox_kit.polling.results import Delivered
+from sqlalchemy.exc import DBAPIError
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
@@ -170,7 +170,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+            from outbox_kit.unit_of_work.capture import (
                 OUTBOX_TABLE,
             )
 
@@ -259,7 +259,7 @@ def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
 
 @pytest.fixture(autouse=True)
 def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+    from outbox_kit.polling.source import (
         TableSource,
     )
 
@@ -738,7 +738,7 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     seen: list[tuple[str | None, str | None, str | None]] = []
 
     async def who(event: Created, uow: Any) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+        from outbox_kit.kernel.request_context import (
             current_context,
         )
 

@@ -22,14 +22,14 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from outbox_kit.persistence.tables import OUTBOX_TABLE
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.leases import LeaseStore
+from outbox_kit.polling.loop import CycleResult, PollingLoop
+from outbox_kit.polling.results import Delivered
+from outbox_kit.polling.source import TableSource
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import OUTBOX_TABLE
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.leases import LeaseStore
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import CycleResult, PollingLoop
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import TableSource
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import FakeClock, make_settings

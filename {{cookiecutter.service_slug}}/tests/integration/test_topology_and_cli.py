@@ -19,20 +19,20 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from outbox_kit.application.messages import (
+    IntegrationEvent,
+)
+from outbox_kit.persistence.tables import (
+    OUTBOX_TABLE,
+)
+from outbox_kit.polling.listener import PostgresListener
+from outbox_kit.polling.wake import WakeSignal
+from outbox_kit.unit_of_work.capture import (
+    notify_channel,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
-    IntegrationEvent,
-)
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
-    OUTBOX_TABLE,
-)
-from {{ cookiecutter.package_name }}.building_blocks.polling.listener import PostgresListener
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import WakeSignal
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
-    notify_channel,
-)
 from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
 from {{ cookiecutter.package_name }}.composition.relay import build_listener
 from {{ cookiecutter.package_name }}.container import Container

@@ -16,23 +16,23 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import OpenTelemetryTracing
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.otel import OpenTelemetryTracing
+from outbox_kit.kernel.request_context import (
     current_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.factory import (
+from outbox_kit.unit_of_work.factory import (
     UnitOfWorkFactory,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.web.dependencies import (
+from outbox_kit.web.dependencies import (
     units_of_work,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

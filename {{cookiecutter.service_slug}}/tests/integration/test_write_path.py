@@ -17,32 +17,32 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.exc import OperationalError
-from sqlmodel import select
-
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     ConcurrencyError,
     DomainError,
     NotFoundError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.database import (
+from outbox_kit.persistence.database import (
     Database,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InternalCommand,
     OutboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+from outbox_kit.polling.claim import (
     Claimer,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.capture import (
+from outbox_kit.unit_of_work.capture import (
     RelayWriter,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     HandlerMustNotSaveError,
     SqlUnitOfWork,
 )
+from sqlalchemy.exc import OperationalError
+from sqlmodel import select
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
@@ -577,7 +577,7 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     received: list[tuple[int, str | None]] = []
 
     async def consume(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+        from outbox_kit.kernel.request_context import (
             current_context,
         )
 

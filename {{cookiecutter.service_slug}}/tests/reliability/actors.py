@@ -18,38 +18,38 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.clock import (
+from outbox_kit.kernel.clock import (
     system_clock,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     CapturedContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+from outbox_kit.kernel.time_limits import TimeLimit
+from outbox_kit.kernel.tracing import (
     SpanKind,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+from outbox_kit.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.loop import (
     PollingLoop,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import SourceSettings
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from outbox_kit.polling.ports import SourceSettings
+from outbox_kit.polling.results import Delivered
+from outbox_kit.polling.source import (
     TableSource,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.wake import (
+from outbox_kit.polling.wake import (
     WakeSignal,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
 from {{ cookiecutter.package_name }}.container import Container, build_container
 

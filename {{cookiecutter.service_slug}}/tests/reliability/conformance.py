@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
 from ..conftest import acting_as, fetch, make_settings

@@ -6,13 +6,13 @@
 Each mutation below is a known bug, written as exact text replacements in named files. For each
 one, the service (everything but its virtual environment, caches and local databases) is copied
 into a fresh temporary directory, the mutation is applied there, and pytest runs the mutation's
-selected tests in the copy with ``PYTHONPATH=<copy>/src:<copy>``, so the copy's code is imported
-instead of the editable install (checked before every run: a check that imports the unmutated
-code would pass without testing anything). The mutation is *caught* when a test fails; a run
-that cannot even collect or set up its tests is *broken* (a mutation that breaks the import is
-not a caught bug), and a run that passes means the bug *survived*. Each original snippet must
-occur exactly once in its file: a refactor that moves it fails this check loudly ("no longer
-applies") instead of silently mutating nothing.
+selected tests in the copy with ``PYTHONPATH=<copy>/src:<copy>/kit/src:<copy>``, so the copy's
+code and kit are imported instead of the editable installs (checked before every run: a check
+that imports the unmutated code would pass without testing anything). The mutation is *caught*
+when a test fails; a run that cannot even collect or set up its tests is *broken* (a mutation
+that breaks the import is not a caught bug), and a run that passes means the bug *survived*.
+Each original snippet must occur exactly once in its file: a refactor that moves it fails this
+check loudly ("no longer applies") instead of silently mutating nothing.
 
 Before the mutations, the union of the selected tests runs on an unmutated copy and must pass
 (a selection that fails anyway proves nothing). The table (mutation, what it breaks, the test
@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "src/{package}"  # the package folder, found at run time in the copy's src/
+KIT = "kit/src/outbox_kit"  # the kit, vendored beside the service
 DEFAULT_REPORT = "reliability-mutations.md"
 RUN_TIMEOUT_SECONDS = 1200
 
@@ -69,12 +70,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="outcome writes (stamp, release, failure record) match the row id only, not the lock token",
         edits=(
             Edit(
-                f"{PACKAGE}/building_blocks/polling/leases.py",
+                f"{KIT}/polling/leases.py",
                 "return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)",
                 "return self._c.id.in_(list(ids))",
             ),
             Edit(
-                f"{PACKAGE}/building_blocks/polling/leases.py",
+                f"{KIT}/polling/leases.py",
                 ".where(self._c.id == row_id, self._c.lock_token == token)\n            .values(**values)",
                 ".where(self._c.id == row_id)\n            .values(**values)",
             ),
@@ -89,12 +90,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="the broker message is acknowledged before the handler's transaction (inbox row) commits",
         edits=(
             Edit(
-                f"{PACKAGE}/building_blocks/brokers/consume.py",
+                f"{KIT}/brokers/consume.py",
                 "        try:\n            async with keep_alive(delivery):\n",
                 "        await delivery.ack()\n        try:\n            async with keep_alive(delivery):\n",
             ),
             Edit(
-                f"{PACKAGE}/building_blocks/brokers/consume.py",
+                f"{KIT}/brokers/consume.py",
                 "reason=HANDLER_FAILED)\n            return\n        await delivery.ack()\n",
                 "reason=HANDLER_FAILED)\n            return\n",
             ),
@@ -108,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="the claim takes any free keyed row, not only the head of its key",
         edits=(
             Edit(
-                f"{PACKAGE}/building_blocks/polling/claim_parts.py",
+                f"{KIT}/polling/claim_parts.py",
                 "        .where(no_earlier)\n",
                 "        .where(sa.true())\n",
             ),
@@ -136,7 +137,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="in-process dispatch runs a row's handlers without renewing its lease first",
         edits=(
             Edit(
-                f"{PACKAGE}/building_blocks/outbox/in_process.py",
+                f"{KIT}/outbox/in_process.py",
                 "            await self._leases.renew(row)\n",
                 "",
             ),
@@ -209,7 +210,7 @@ def package_name(root: Path) -> str:
 def environment(copy: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME"}}
     env |= {
-        "PYTHONPATH": f"{copy / 'src'}{os.pathsep}{copy}",
+        "PYTHONPATH": os.pathsep.join(map(str, (copy / "src", copy / "kit" / "src", copy))),
         "ALEMBIC_CONFIG": str(copy / "alembic.ini"),  # the migrations come from the copy too
         "REQUIRE_SERVICES": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
@@ -221,7 +222,7 @@ def environment(copy: Path) -> dict[str, str]:
 def verify_imports(copy: Path) -> None:
     """The copy's package and tests must be the ones imported, not the editable install."""
     probe = "import importlib, sys\nfor n in sys.argv[1:]: print(importlib.import_module(n).__file__)"
-    names = [package_name(copy), "tests"]
+    names = [package_name(copy), "outbox_kit", "tests"]
     done = subprocess.run(
         [sys.executable, "-c", probe, *names],
         cwd=copy,

@@ -33,21 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     RequestContext,
     current_context,
     use_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import ClaimedRow
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import Delivered
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from outbox_kit.kernel.time_limits import TimeLimit
+from outbox_kit.polling.claimed import ClaimedRow
+from outbox_kit.polling.results import Delivered
+from outbox_kit.polling.source import (
     TableSource,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.container import Container, build_container
 from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
 

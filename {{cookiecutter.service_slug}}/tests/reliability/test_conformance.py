@@ -34,13 +34,13 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
-from sqlalchemy.engine import make_url
-
-from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
-from {{ cookiecutter.package_name }}.building_blocks.operations.tenant_scope import EVERY_TENANT
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.messaging.signing import Signer
+from outbox_kit.operations.tenant_scope import EVERY_TENANT
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from sqlalchemy.engine import make_url
+
 from {{ cookiecutter.package_name }}.container import Container
 
 from ..conftest import SERVICE_URLS, fetch

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.consume import CRASH_GUARD_ERROR
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+from outbox_kit.brokers.consume import CRASH_GUARD_ERROR
+from outbox_kit.kernel.hops import capture
+from outbox_kit.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )

@@ -109,62 +109,62 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from sqlalchemy.ext.asyncio import AsyncEngine
-
-from {{ cookiecutter.package_name }}.building_blocks.application.handler_types import (
+from outbox_kit.application.handler_types import (
     Consumer,
     Handler,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.unit_of_work import (
+from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from {{ cookiecutter.package_name }}.building_blocks.inbox.pipeline import (
+from outbox_kit.inbox.pipeline import (
     ConsumeOutcome,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.time_limits import TimeLimit
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import (
+from outbox_kit.kernel.time_limits import TimeLimit
+from outbox_kit.kernel.tracing import (
     SpanKind,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.bus import (
+from outbox_kit.messaging.bus import (
     MessageBus,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import (
+from outbox_kit.messaging.envelope import (
     Envelope,
 )
-from {{ cookiecutter.package_name }}.building_blocks.outbox.deliverer import (
+from outbox_kit.outbox.deliverer import (
     OutboxDeliverer,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.persistence.audit_tables import (
     INBOX_TABLE,
     DeadLetterReplay,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claim import (
+from outbox_kit.polling.claim import (
     Claimer,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.claimed import (
+from outbox_kit.polling.claimed import (
     ClaimedRow,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.loop import (
+from outbox_kit.polling.loop import (
     CycleResult,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.ports import (
+from outbox_kit.polling.ports import (
     SourceSettings,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.results import (
+from outbox_kit.polling.results import (
     Delivered,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.source import (
+from outbox_kit.polling.source import (
     TableSource,
 )
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from {{ cookiecutter.package_name }}.composition.relay import (
     source_settings,
 )

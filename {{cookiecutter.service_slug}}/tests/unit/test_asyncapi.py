@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.application.handlers import (
+from outbox_kit.application.handlers import (
     HandlerRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.asyncapi import (
+from outbox_kit.brokers.asyncapi import (
     asyncapi_document,
     public_server,
 )

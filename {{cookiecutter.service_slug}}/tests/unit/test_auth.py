@@ -5,8 +5,7 @@ from typing import Any
 
 import jwt
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.web.auth import (
+from outbox_kit.web.auth import (
     InvalidTokenError,
     TokenService,
 )

@@ -4,13 +4,12 @@ import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.messaging.circuit import CircuitBreaker
-from {{ cookiecutter.package_name }}.building_blocks.messaging.outages import (
+from outbox_kit.messaging.circuit import CircuitBreaker
+from outbox_kit.messaging.outages import (
     BrokerUnavailableError,
     CircuitOpenError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.polling.retries import backoff_seconds
+from outbox_kit.polling.retries import backoff_seconds
 
 pytestmark = pytest.mark.unit
 

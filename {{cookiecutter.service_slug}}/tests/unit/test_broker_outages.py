@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import pytest
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
-
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+from outbox_kit.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit import (
+from outbox_kit.brokers.transports.rabbit import (
     RabbitTransport,
 )
+
 from {{ cookiecutter.package_name }}.settings import (
     MessageBusSettings,
 )

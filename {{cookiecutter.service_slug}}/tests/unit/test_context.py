@@ -1,33 +1,32 @@
 """Request context: validation, role flattening, capture and restore."""
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.context_values import (
+from outbox_kit.kernel.context_values import (
     MAX_TENANT_BYTES,
     MAX_USER_BYTES,
     InvalidContextError,
     validate_correlation_id,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture, restored
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.hops import capture, restored
+from outbox_kit.kernel.request_context import (
     RequestContext,
     current_context,
     use_context,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.roles import (
+from outbox_kit.kernel.roles import (
     MAX_ROLES_BYTES,
     flatten_roles,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import (
+from outbox_kit.messaging.header_names import (
     LIMITS,
     TENANT_ID,
     USER_ID,
     USER_ROLES,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.audit_tables import (
+from outbox_kit.persistence.audit_tables import (
     InboxMessage,
 )
-from {{ cookiecutter.package_name }}.building_blocks.persistence.tables import (
+from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )

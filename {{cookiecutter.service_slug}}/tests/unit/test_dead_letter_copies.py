@@ -19,14 +19,13 @@ from typing import Any, cast
 import pytest
 from nats.errors import ConnectionClosedError
 from nats.js.errors import BadRequestError
-from pamqp.encode import field_table
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.nats_delivery import (
+from outbox_kit.brokers.transports.nats_delivery import (
     NatsDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.rabbit_delivery import (
+from outbox_kit.brokers.transports.rabbit_delivery import (
     RabbitDelivery,
 )
+from pamqp.encode import field_table
 
 pytestmark = pytest.mark.unit
 

@@ -3,12 +3,11 @@
 from dataclasses import dataclass
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     MAX_ORDERING_KEY_LENGTH,
     AggregateRoot,
     DomainEvent,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from decimal import Decimal
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     DomainError,
 )
+
 from {{ cookiecutter.package_name }}.contexts.orders.domain import (
     MAX_LINES,
     InvalidOrderError,

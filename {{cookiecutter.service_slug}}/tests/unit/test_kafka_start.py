@@ -10,8 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import (
+from outbox_kit.brokers.transports.kafka import (
     KafkaTransport,
 )
 

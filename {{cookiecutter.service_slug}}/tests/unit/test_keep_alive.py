@@ -8,8 +8,7 @@ import time
 from typing import Any
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.brokers.holding import keep_alive
+from outbox_kit.brokers.holding import keep_alive
 
 pytestmark = pytest.mark.unit
 

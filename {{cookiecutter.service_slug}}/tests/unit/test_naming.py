@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from outbox_kit.brokers.faststream_bus import (
+    FastStreamBus,
+)
+from outbox_kit.brokers.naming import (
+    EndpointNames,
+)
 
 from {{ cookiecutter.package_name }}.about import (
     SERVICE_SLUG,
-)
-from {{ cookiecutter.package_name }}.building_blocks.brokers.faststream_bus import (
-    FastStreamBus,
-)
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
-    EndpointNames,
 )
 from {{ cookiecutter.package_name }}.container import (
     build_container,

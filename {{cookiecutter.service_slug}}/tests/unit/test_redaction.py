@@ -5,10 +5,10 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi import FastAPI
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.redaction import (
+from outbox_kit.kernel.redaction import (
     mask_credentials,
 )
+
 from {{ cookiecutter.package_name }}.entrypoints import (
     cli,
     serving,

@@ -4,17 +4,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.application.messages import (
+from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MalformedPayloadError,
     MessageRegistry,
     RegistryError,
     UnknownMessageError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.domain import (
+from outbox_kit.domain import (
     DomainEvent,
 )
 
@@ -106,10 +105,11 @@ def test_upcaster_cycles_duplicates_and_dead_ends_are_refused() -> None:
 
 def test_the_container_refuses_inconsistent_modules_at_start_up() -> None:
     """``build_registry`` is what start-up runs: it validates after every module registered."""
-    from {{ cookiecutter.package_name }}.building_blocks.application.module import (
+    from outbox_kit.application.module import (
         Module,
         UpcasterSpec,
     )
+
     from {{ cookiecutter.package_name }}.container import (
         build_registry,
     )

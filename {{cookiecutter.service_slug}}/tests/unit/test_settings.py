@@ -5,15 +5,15 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from pydantic import BaseModel, ValidationError
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.no_tracing import NoTracing
-from {{ cookiecutter.package_name }}.building_blocks.kernel.otel import (
+from outbox_kit.kernel.no_tracing import NoTracing
+from outbox_kit.kernel.otel import (
     OpenTelemetryTracing,
     otlp_processor,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.tracing import SpanKind
-from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import LIMITS
+from outbox_kit.kernel.tracing import SpanKind
+from outbox_kit.messaging.header_names import LIMITS
+from pydantic import BaseModel, ValidationError
+
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     MessageBusSettings,

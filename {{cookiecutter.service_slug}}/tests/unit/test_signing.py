@@ -3,18 +3,17 @@
 from datetime import UTC, datetime
 
 import pytest
-
-from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+from outbox_kit.kernel.request_context import (
     CapturedContext,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
-from {{ cookiecutter.package_name }}.building_blocks.messaging.header_names import (
+from outbox_kit.messaging.envelope import Envelope
+from outbox_kit.messaging.header_names import (
     SIGNATURE,
     TENANT_ID,
 )
-from {{ cookiecutter.package_name }}.building_blocks.messaging.reading import read_envelope
-from {{ cookiecutter.package_name }}.building_blocks.messaging.rejections import RejectedMessageError
-from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
+from outbox_kit.messaging.reading import read_envelope
+from outbox_kit.messaging.rejections import RejectedMessageError
+from outbox_kit.messaging.signing import Signer
 
 pytestmark = pytest.mark.unit
 BODY = b'{"order_id": "o-1"}'

@@ -25,32 +25,32 @@ from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
-
-from {{ cookiecutter.package_name }}.building_blocks.application.handlers import (
+from outbox_kit.application.handlers import (
     HandlerRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.application.registry import (
+from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.naming import (
+from outbox_kit.brokers.naming import (
     EndpointNames,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.headers import undecoded_body
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka import KafkaTransport
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_delivery import (
+from outbox_kit.brokers.transports.headers import undecoded_body
+from outbox_kit.brokers.transports.kafka import KafkaTransport
+from outbox_kit.brokers.transports.kafka_delivery import (
     ATTEMPT,
     NOT_BEFORE,
     KafkaDelivery,
 )
-from {{ cookiecutter.package_name }}.building_blocks.brokers.transports.kafka_topics import (
+from outbox_kit.brokers.transports.kafka_topics import (
     KafkaTopologyError,
 )
-from {{ cookiecutter.package_name }}.building_blocks.kernel.hops import capture
-from {{ cookiecutter.package_name }}.building_blocks.messaging.envelope import Envelope
-from {{ cookiecutter.package_name }}.building_blocks.messaging.signing import Signer
-from {{ cookiecutter.package_name }}.building_blocks.unit_of_work.unit_of_work import (
+from outbox_kit.kernel.hops import capture
+from outbox_kit.messaging.envelope import Envelope
+from outbox_kit.messaging.signing import Signer
+from outbox_kit.unit_of_work.unit_of_work import (
     SqlUnitOfWork,
 )
+
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
@@ -105,7 +105,7 @@ class Observer:
         self.seen: list[tuple[str | None, str | None]] = []
 
     async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        from {{ cookiecutter.package_name }}.building_blocks.kernel.request_context import (
+        from outbox_kit.kernel.request_context import (
             current_context,
         )
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
+from outbox_kit.persistence.failures import is_transient
+from outbox_kit.persistence.outages import is_database_outage
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
-
-from {{ cookiecutter.package_name }}.building_blocks.persistence.failures import is_transient
-from {{ cookiecutter.package_name }}.building_blocks.persistence.outages import is_database_outage
 
 pytestmark = pytest.mark.unit
 

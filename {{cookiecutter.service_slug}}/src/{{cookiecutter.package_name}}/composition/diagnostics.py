@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from ..building_blocks.unit_of_work.capture import RelayWriter
-from ..building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.unit_of_work.capture import RelayWriter
+from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+
 from ..settings import Settings
 
 log = logging.getLogger(__name__)

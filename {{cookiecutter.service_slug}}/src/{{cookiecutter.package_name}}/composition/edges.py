@@ -5,22 +5,22 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
+from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.registry import MessageRegistry
+from outbox_kit.brokers.in_process import InProcessBus
+from outbox_kit.inbox.pipeline import ConsumePipeline
+from outbox_kit.kernel.clock import system_clock
+from outbox_kit.kernel.metrics import RelayMetrics
+from outbox_kit.kernel.no_tracing import NoTracing
+from outbox_kit.kernel.otel import OpenTelemetryTracing
+from outbox_kit.kernel.tracing import Tracing
+from outbox_kit.messaging.bus import MessageBus
+from outbox_kit.messaging.signing import Signer
+from outbox_kit.web.auth import TokenService
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from ..about import SERVICE_SLUG
-from ..building_blocks.application.handlers import HandlerRegistry
-from ..building_blocks.application.registry import MessageRegistry
-from ..building_blocks.brokers.in_process import InProcessBus
-from ..building_blocks.inbox.pipeline import ConsumePipeline
-from ..building_blocks.kernel.clock import system_clock
-from ..building_blocks.kernel.metrics import RelayMetrics
-from ..building_blocks.kernel.no_tracing import NoTracing
-from ..building_blocks.kernel.otel import OpenTelemetryTracing
-from ..building_blocks.kernel.tracing import Tracing
-from ..building_blocks.messaging.bus import MessageBus
-from ..building_blocks.messaging.signing import Signer
-from ..building_blocks.web.auth import TokenService
 from ..settings import Settings
 from ..settings import Tracing as TracingChoice
 
@@ -48,7 +48,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
             signer=signer,
             handler_timeout_seconds=settings.message_bus.handler_timeout_seconds,
         )
-    from ..building_blocks.brokers.faststream_bus import FastStreamBus  # noqa: PLC0415
+    from outbox_kit.brokers.faststream_bus import FastStreamBus  # noqa: PLC0415
 
     return FastStreamBus(
         settings=settings.message_bus,

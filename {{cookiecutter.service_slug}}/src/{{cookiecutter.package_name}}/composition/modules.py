@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..building_blocks.application.discovery import discover_modules, import_table_modules
-from ..building_blocks.application.handlers import HandlerRegistry
-from ..building_blocks.application.module import Module
-from ..building_blocks.application.registry import MessageRegistry
+from outbox_kit.application.discovery import discover_modules, import_table_modules
+from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.module import Module
+from outbox_kit.application.registry import MessageRegistry
 
 
 def _contexts() -> ModuleType:

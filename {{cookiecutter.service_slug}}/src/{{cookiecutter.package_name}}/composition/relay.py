@@ -8,25 +8,26 @@ import socket
 from collections.abc import Callable
 from datetime import timedelta
 
-from ..building_blocks.application.handlers import HandlerRegistry
-from ..building_blocks.application.registry import MessageRegistry
-from ..building_blocks.commands.deliverer import CommandDeliverer
-from ..building_blocks.kernel.clock import system_clock
-from ..building_blocks.kernel.metrics import RelayMetrics
-from ..building_blocks.kernel.tracing import Tracing
-from ..building_blocks.messaging.bus import MessageBus
-from ..building_blocks.messaging.direct import DirectPublisher
-from ..building_blocks.operations.retention import RetentionPolicy
-from ..building_blocks.outbox.deliverer import OutboxDeliverer
-from ..building_blocks.outbox.in_process import LocalDispatcher
-from ..building_blocks.persistence.database import Database
-from ..building_blocks.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
-from ..building_blocks.polling.listener import PostgresListener
-from ..building_blocks.polling.ports import Deliverer, SourceSettings
-from ..building_blocks.polling.source import TableSource
-from ..building_blocks.polling.wake import WakeSignal
-from ..building_blocks.unit_of_work.capture import RelayWriter, notify_channel
-from ..building_blocks.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.registry import MessageRegistry
+from outbox_kit.commands.deliverer import CommandDeliverer
+from outbox_kit.kernel.clock import system_clock
+from outbox_kit.kernel.metrics import RelayMetrics
+from outbox_kit.kernel.tracing import Tracing
+from outbox_kit.messaging.bus import MessageBus
+from outbox_kit.messaging.direct import DirectPublisher
+from outbox_kit.operations.retention import RetentionPolicy
+from outbox_kit.outbox.deliverer import OutboxDeliverer
+from outbox_kit.outbox.in_process import LocalDispatcher
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
+from outbox_kit.polling.listener import PostgresListener
+from outbox_kit.polling.ports import Deliverer, SourceSettings
+from outbox_kit.polling.source import TableSource
+from outbox_kit.polling.wake import WakeSignal
+from outbox_kit.unit_of_work.capture import RelayWriter, notify_channel
+from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+
 from ..settings import Settings
 
 

@@ -7,9 +7,8 @@ placement can arrive after its cancel (RabbitMQ's retry queue, Redis's reclaimer
 nack), so a consumer that cares compares what it has instead of trusting arrival order.
 """
 
+from outbox_kit.public import IntegrationEvent
 from pydantic import Field
-
-from ..building_blocks.public import IntegrationEvent
 
 
 class OrderPlacedV1(IntegrationEvent, name="orders.order-placed.v1", ordered=True):

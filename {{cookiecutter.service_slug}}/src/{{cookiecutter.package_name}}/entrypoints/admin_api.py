@@ -15,14 +15,13 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from outbox_kit.kernel.request_context import RequestContext
+from outbox_kit.operations.admin import RelayAdministration
+from outbox_kit.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
+from outbox_kit.operations.tenant_scope import EVERY_TENANT, TenantScope
+from outbox_kit.web.dependencies import require_role
+from outbox_kit.web.errors import error_responses
 from pydantic import BaseModel, ConfigDict, Field
-
-from ..building_blocks.kernel.request_context import RequestContext
-from ..building_blocks.operations.admin import RelayAdministration
-from ..building_blocks.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
-from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
-from ..building_blocks.web.dependencies import require_role
-from ..building_blocks.web.errors import error_responses
 
 
 @dataclass(frozen=True)

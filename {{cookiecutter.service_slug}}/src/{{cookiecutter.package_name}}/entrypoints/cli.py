@@ -12,8 +12,9 @@ import json
 import sys
 from collections.abc import Sequence
 
+from outbox_kit.web.auth import InvalidTokenError
+
 from ..about import SERVICE_NAME
-from ..building_blocks.web.auth import InvalidTokenError
 from ..container import Container, build_container
 from . import migrations
 from .cli_errors import EXIT_CONFIG, CliError, load_settings

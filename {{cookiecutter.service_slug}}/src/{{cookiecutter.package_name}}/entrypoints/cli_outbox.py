@@ -13,9 +13,10 @@ from dataclasses import asdict
 from datetime import datetime
 from typing import TypeVar
 
-from ..building_blocks.operations.admin import RelayAdministration
-from ..building_blocks.operations.requests import AdminError
-from ..building_blocks.operations.tenant_scope import EVERY_TENANT, TenantScope
+from outbox_kit.operations.admin import RelayAdministration
+from outbox_kit.operations.requests import AdminError
+from outbox_kit.operations.tenant_scope import EVERY_TENANT, TenantScope
+
 from ..container import Container
 from .cli_errors import CliError
 

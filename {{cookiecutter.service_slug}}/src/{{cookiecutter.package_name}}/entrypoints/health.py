@@ -15,12 +15,12 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from outbox_kit.brokers.asyncapi import asyncapi_document
+from outbox_kit.kernel.redaction import mask_credentials
+from outbox_kit.runtime.worker import Worker
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..about import DESCRIPTION, SERVICE_NAME
-from ..building_blocks.brokers.asyncapi import asyncapi_document
-from ..building_blocks.kernel.redaction import mask_credentials
-from ..building_blocks.runtime.worker import Worker
 from ..container import Container
 
 PROMETHEUS_TEXT: dict[int | str, dict[str, Any]] = {

@@ -11,8 +11,9 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
+from outbox_kit.kernel.redaction import mask_credentials
+
 from ..about import SERVICE_NAME
-from ..building_blocks.kernel.redaction import mask_credentials
 from ..container import Container
 from ..settings import DEV_JWT_SECRET, Settings
 from .cli_errors import CliError

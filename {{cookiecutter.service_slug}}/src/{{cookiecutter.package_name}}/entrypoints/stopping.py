@@ -17,8 +17,9 @@ import logging
 import os
 import threading
 
-from ..building_blocks.kernel.tracing import Tracing
-from ..building_blocks.runtime.worker import Worker
+from outbox_kit.kernel.tracing import Tracing
+from outbox_kit.runtime.worker import Worker
+
 from ..container import Container
 
 log = logging.getLogger(__name__)

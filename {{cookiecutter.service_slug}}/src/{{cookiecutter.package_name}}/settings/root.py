@@ -14,15 +14,15 @@ from __future__ import annotations
 import math
 from typing import Self
 
-from pydantic import model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
-
-from ..building_blocks.messaging.settings import (
+from outbox_kit.messaging.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
     MessageBusSettings,
 )
-from ..building_blocks.persistence.settings import DatabaseSettings
+from outbox_kit.persistence.settings import DatabaseSettings
+from pydantic import model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
 from .auth import AuthSettings
 from .relay import InboxSettings, OutboxSettings
 from .service import (

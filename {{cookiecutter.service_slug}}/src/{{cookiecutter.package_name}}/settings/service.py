@@ -1,5 +1,5 @@
 """Where the service runs: its mode, identity, HTTP listener, logging and tracing (the database's
-settings are the framework's own: ``building_blocks.persistence.settings``)."""
+settings are the kit's own: ``outbox_kit.persistence.settings``)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import BaseModel
-
-from ...building_blocks.public import (
+from outbox_kit.public import (
     STORABLE_TEXT,
     RequestContext,
     UnitOfWorkFactory,
@@ -14,6 +12,8 @@ from ...building_blocks.public import (
     error_responses,
     units_of_work,
 )
+from pydantic import BaseModel
+
 from .ports import Notifications
 
 router = APIRouter(prefix="/notifications", tags=["notifications"], responses=error_responses(401))

@@ -8,7 +8,8 @@ together, which is what makes a redelivered message a no-op).
 
 from __future__ import annotations
 
-from ...building_blocks.public import UnitOfWork, current_context, current_delivery
+from outbox_kit.public import UnitOfWork, current_context, current_delivery
+
 from ...contracts.orders import OrderCancelledV1, OrderPlacedV1
 from .ports import Notification, Notifications
 

@@ -6,9 +6,9 @@ import uuid
 from datetime import datetime
 
 import sqlalchemy as sa
+from outbox_kit.public import AdapterScope, current_context
 from sqlmodel import Field, SQLModel, col, select
 
-from ...building_blocks.public import AdapterScope, current_context
 from .ports import Notification
 
 

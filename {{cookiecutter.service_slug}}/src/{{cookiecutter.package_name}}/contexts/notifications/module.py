@@ -1,6 +1,7 @@
 """What the notifications context contributes (discovered by the container)."""
 
-from ...building_blocks.public import HandlerRegistry, Module
+from outbox_kit.public import HandlerRegistry, Module
+
 from ...contracts import orders as contracts
 from . import application
 from .api import router

@@ -8,9 +8,7 @@ from decimal import Decimal
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Response, status
-from pydantic import BaseModel, ConfigDict, Field
-
-from ...building_blocks.public import (
+from outbox_kit.public import (
     STORABLE_TEXT,
     IdempotencyKey,
     RequestContext,
@@ -23,6 +21,8 @@ from ...building_blocks.public import (
     run_once,
     units_of_work,
 )
+from pydantic import BaseModel, ConfigDict, Field
+
 from . import application
 from .domain import MAX_LINES, MAX_QUANTITY, Order, OrderLine
 

@@ -13,8 +13,9 @@ import uuid
 from dataclasses import dataclass
 from decimal import Decimal
 
-from ...building_blocks.domain import DomainError
-from ...building_blocks.public import InternalCommand, UnitOfWork, current_context
+from outbox_kit.domain import DomainError
+from outbox_kit.public import InternalCommand, UnitOfWork, current_context
+
 from ...contracts.orders import OrderCancelledV1, OrderPlacedV1
 from .domain import Order, OrderCancelled, OrderLine, OrderPlaced
 from .ports import CustomerCounters, Orders, OrderSummaries, OrderSummary

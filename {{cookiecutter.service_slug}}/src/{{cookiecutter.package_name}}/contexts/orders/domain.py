@@ -1,4 +1,4 @@
-"""The Order aggregate. Pure domain: standard library and ``building_blocks.domain`` only.
+"""The Order aggregate. Pure domain: standard library and ``outbox_kit.domain`` only.
 
 Every change is an event applied to the state (``_raise`` -> ``@applies``), so the events are
 the complete history of the aggregate. Invariants are checked before an event is raised: an
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from enum import StrEnum
 
-from ...building_blocks.domain import AggregateRoot, DomainError, DomainEvent, applies
+from outbox_kit.domain import AggregateRoot, DomainError, DomainEvent, applies
 
 MAX_LINES = 100
 MAX_QUANTITY = 10_000

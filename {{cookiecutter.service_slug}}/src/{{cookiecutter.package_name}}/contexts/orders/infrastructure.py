@@ -6,9 +6,9 @@ from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
+from outbox_kit.public import AdapterScope, Repository, current_context, upsert
 from sqlmodel import select
 
-from ...building_blocks.public import AdapterScope, Repository, current_context, upsert
 from .domain import Order, OrderLine, OrderStatus
 from .ports import OrderSummary
 from .tables import CUSTOMER_STATISTICS, ORDERS, OrderRow, OrderSummaryRow

@@ -8,9 +8,8 @@ from decimal import Decimal
 from typing import Any
 
 import sqlalchemy as sa
+from outbox_kit.public import JSON_TYPE
 from sqlmodel import Field, SQLModel
-
-from ...building_blocks.public import JSON_TYPE
 
 
 class OrderRow(SQLModel, table=True):

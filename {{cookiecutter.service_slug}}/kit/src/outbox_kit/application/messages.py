@@ -2,7 +2,7 @@
 
 They are pydantic models because they cross a process boundary (a broker, or a row read back
 later), so their payload is validated on the way in and documented in AsyncAPI. Domain events
-stay plain dataclasses in ``building_blocks.domain`` so the domain layer imports nothing but the
+stay plain dataclasses in ``outbox_kit.domain`` so the domain layer imports nothing but the
 standard library.
 """
 

@@ -1,4 +1,4 @@
-"""Domain building blocks: pure standard library, so every domain model stays pure too.
+"""The kit's domain: pure standard library, so every domain model stays pure too.
 
 Aggregates are written event-sourcing style: state changes only by raising an event that is
 applied (``_raise`` calls the ``@applies`` method and appends the event to the pending list), so

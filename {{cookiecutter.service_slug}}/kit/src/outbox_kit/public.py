@@ -1,8 +1,8 @@
-"""Everything a bounded context may use from the building blocks, besides ``building_blocks.domain``.
+"""Everything a bounded context may use from the kit, besides ``outbox_kit.domain``.
 
-A context's domain layer imports only ``building_blocks.domain`` (aggregates, events, errors:
+A context's domain layer imports only ``outbox_kit.domain`` (aggregates, events, errors:
 the standard library only). Everything else a context needs is here, and nowhere else: the
-architecture tests refuse an import of any other building-block module from ``contexts/``, so
+architecture tests refuse an import of any other kit module from ``contexts/``, so
 the rest (polling, leases, capture, transports, the concrete unit of work) can change without
 breaking your code.
 

@@ -1,0 +1,94 @@
+"""Tier 0, the kit: the framework (``{{cookiecutter.service_slug}}/kit/``, the ``outbox-kit``
+distribution) checked from the template repository, without baking: it lints, type-checks
+strictly and keeps its layers on its own, builds a wheel that carries its public surface, and
+reaches every bake byte for byte (no Jinja ever renders into it, so the template tests it once).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from .support import TEMPLATE, TOOLS_ENV, UV, check
+
+pytestmark = pytest.mark.kit
+
+KIT = TEMPLATE / "{{cookiecutter.service_slug}}" / "kit"
+CACHES = ("__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".venv", "dist", "*.egg-info")
+
+
+@pytest.fixture(scope="module")
+def kit_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A copy of the kit in an environment of its own (its dependencies, its ``otel`` extra and
+    its dev group): ``(kit folder, bin folder)``. A copy, because uv reads the pyproject files of
+    the folders above a project, and the template's service one holds Jinja."""
+    if UV is None:
+        pytest.fail("uv is not installed: run `make` (requirements-dev.txt installs it)")
+    root = tmp_path_factory.mktemp("kit")
+    kit = root / "kit"
+    shutil.copytree(KIT, kit, ignore=shutil.ignore_patterns(*CACHES))
+    environment = {**TOOLS_ENV, "UV_PROJECT_ENVIRONMENT": str(root / "venv")}
+    check([UV, "sync", "--all-extras", "--python", sys.executable], kit, env=environment, timeout=600)
+    return kit, root / "venv" / "bin"
+
+
+def test_the_kit_lints_type_checks_and_keeps_its_layers_on_its_own(kit_env: tuple[Path, Path]) -> None:
+    kit, bin_folder = kit_env
+    check([str(bin_folder / "ruff"), "check", "."], kit)
+    check([str(bin_folder / "ruff"), "format", "--check", "."], kit)
+    typed = check([str(bin_folder / "mypy")], kit, timeout=600)
+    assert "Success: no issues found" in typed.stdout
+    layers = check([str(bin_folder / "lint-imports"), "--no-cache"], kit)
+    assert "Contracts: 1 kept, 0 broken" in layers.stdout
+
+
+def kit_version() -> str:
+    declared = tomllib.loads((KIT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    init = (KIT / "src" / "outbox_kit" / "__init__.py").read_text(encoding="utf-8")
+    found = re.search(r'^__version__ = "([^"]+)"$', init, re.MULTILINE)
+    assert found is not None, "outbox_kit/__init__.py declares no __version__"
+    assert found.group(1) == declared, "pyproject.toml and __version__ disagree"
+    return str(declared)
+
+
+def test_the_kit_builds_a_wheel_with_its_public_surface_and_its_types(
+    kit_env: tuple[Path, Path], tmp_path: Path
+) -> None:
+    kit, _ = kit_env
+    assert UV is not None
+    check([UV, "build", "--wheel", "--out-dir", str(tmp_path), "."], kit, env=TOOLS_ENV, timeout=300)
+    version = kit_version()
+    (wheel,) = tmp_path.glob("outbox_kit-*.whl")
+    assert wheel.name.startswith(f"outbox_kit-{version}-")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in ("outbox_kit/__init__.py", "outbox_kit/public.py", "outbox_kit/domain/__init__.py"):
+        assert required in names
+    assert "outbox_kit/py.typed" in names  # a service's mypy reads the kit's types
+    assert not [name for name in names if "/tests/" in name or name.endswith(".pyc")]
+    metadata = zipfile.ZipFile(wheel).read(f"outbox_kit-{version}.dist-info/METADATA").decode()
+    assert "Name: outbox-kit" in metadata
+
+
+def digests(folder: Path) -> dict[str, str]:
+    skipped = {"__pycache__", ".mypy_cache", ".ruff_cache"}
+    return {
+        path.relative_to(folder).as_posix(): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and not skipped.intersection(path.relative_to(folder).parts)
+    }
+
+
+def test_every_bake_carries_the_kit_byte_for_byte(bakes: dict[str, Path]) -> None:
+    """Whatever the answers, a service's kit is the template's kit: tested here once, it is the
+    code every service runs, and a template update changes it as plain files."""
+    expected = digests(KIT)
+    assert "src/outbox_kit/public.py" in expected
+    for name, project in bakes.items():
+        assert digests(project / "kit") == expected, f"the {name} bake's kit differs from the template's"

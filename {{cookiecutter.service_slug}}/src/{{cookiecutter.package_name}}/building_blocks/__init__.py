@@ -1,1 +1,0 @@
-"""The outbox/inbox machinery. It knows no bounded context (enforced by import-linter)."""
