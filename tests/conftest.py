@@ -8,6 +8,9 @@ import pytest
 
 from .support import bake, install
 
+# The kit's own suite runs in the kit's environment (tests/test_kit.py), not in this one.
+collect_ignore = ["kit"]
+
 VARIANTS: dict[str, dict[str, object]] = {
     "default": {},
     "kafka": {"broker": "kafka"},

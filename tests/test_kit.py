@@ -1,7 +1,8 @@
 """Tier 0, the kit: the framework (``{{cookiecutter.service_slug}}/kit/``, the ``outbox-kit``
 distribution) checked from the template repository, without baking: it lints, type-checks
-strictly and keeps its layers on its own, builds a wheel that carries its public surface, and
-reaches every bake byte for byte (no Jinja ever renders into it, so the template tests it once).
+strictly and keeps its layers on its own, passes its own suite (``tests/kit/``), builds a wheel
+that carries its public surface, and reaches every bake byte for byte (no Jinja ever renders into
+it, so the template tests it once).
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def test_the_kit_lints_type_checks_and_keeps_its_layers_on_its_own(kit_env: tupl
     assert "Success: no issues found" in typed.stdout
     layers = check([str(bin_folder / "lint-imports"), "--no-cache"], kit)
     assert "Contracts: 1 kept, 0 broken" in layers.stdout
+
+
+def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path]) -> None:
+    """``tests/kit/``: the kit's tests that need no service, run once here instead of in every
+    bake, in the kit's environment (the template's has no kit)."""
+    _, bin_folder = kit_env
+    suite = TEMPLATE / "tests" / "kit"
+    ran = check(
+        [str(bin_folder / "python"), "-m", "pytest", "-c", str(suite / "pytest.ini"), str(suite)], suite
+    )
+    print(ran.stdout[-1500:])
+    passed = re.search(r"(\d+) passed", ran.stdout)
+    assert passed is not None, ran.stdout
+    assert int(passed.group(1)) >= len(list(suite.glob("test_*.py")))  # none silently uncollected
 
 
 def kit_version() -> str:

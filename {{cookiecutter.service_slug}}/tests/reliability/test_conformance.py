@@ -170,8 +170,9 @@ async def test_1_a_worker_frozen_past_its_lease_writes_no_outcome_when_it_resume
 ) -> None:
     """A worker is frozen (SIGSTOP) in the middle of its deliveries for longer than its lease;
     the other worker takes the rows over and finishes everything; then the frozen one resumes
-    and completes its publishes: none of its outcomes may land (each row's lock token changed),
-    so no row's processed stamp moves after the resume, and its copies have no effect."""
+    and ends its deliveries (a publish finishing, or its time limit, which ran out while it was
+    frozen): none of its outcomes may land (each row's lock token changed), so no row's outcome
+    (stamp, failure record, lease) changes after the resume, and its copies have no effect."""
     scene = await stage(transport, "--lease", "2")
     sent = await write_events(scene.container, 1500, key_of=cycling(40), per_commit=50)
     # Only its relay is frozen: a frozen consumer would hold its prefetched messages as well.
@@ -183,16 +184,28 @@ async def test_1_a_worker_frozen_past_its_lease_writes_no_outcome_when_it_resume
     frozen_at = time.time()
     await all_received(scene.container, sent, DRAIN_SECONDS)
     await wait_until(lambda: _nothing_pending(scene.container), 60, "every row finished")
+    before = {row.id: _outcome(row) for row in await outbox_rows(scene.container)}
     resumed_at = time.time()
     scene.fleet.thaw("frozen")
-    await asyncio.sleep(3.0)  # its publishes and stamp attempts run now
+    await asyncio.sleep(3.0)  # its publishes, and its stamp or failure writes, run now
     await scene.fleet.stop_all()
-    rows = await outbox_rows(scene.container)
-    late = [r for r in rows if r.processed_on.timestamp() >= resumed_at]
+    late = [row.id for row in await outbox_rows(scene.container) if _outcome(row) != before[row.id]]
     await scene.check("1 frozen past its lease", sent, notes=f"frozen {resumed_at - frozen_at:.1f} s")
     assert late == [], f"{len(late)} stale outcomes landed after the resume"
     lost = scene.fleet.status("frozen").get("outbox_lost_leases_total", 0)
     assert lost >= 1, "the frozen worker had nothing in flight: the scenario proved nothing"
+
+
+def _outcome(row: Any) -> tuple[Any, ...]:
+    """What an outcome write changes on a row: stamp, failure record, dead letter, lease."""
+    return (
+        row.processed_on,
+        row.dead_lettered_on,
+        row.retry_count,
+        row.last_error,
+        row.lock_token,
+        row.locked_until,
+    )
 
 
 async def _nothing_pending(container: Container) -> bool:

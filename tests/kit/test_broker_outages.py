@@ -13,10 +13,7 @@ from outbox_kit.brokers.naming import (
 from outbox_kit.brokers.transports.rabbit import (
     RabbitTransport,
 )
-
-from {{ cookiecutter.package_name }}.settings import (
-    MessageBusSettings,
-)
+from outbox_kit.messaging.settings import MessageBusSettings
 
 pytestmark = pytest.mark.unit
 

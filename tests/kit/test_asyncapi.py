@@ -16,11 +16,17 @@ from outbox_kit.brokers.asyncapi import (
     asyncapi_document,
     public_server,
 )
-
-from ..conftest import make_settings
-from ..kit import CounterChangedV1
+from outbox_kit.messaging.settings import MessageBusSettings
+from outbox_kit.public import IntegrationEvent
 
 pytestmark = pytest.mark.unit
+
+
+class CounterChangedV1(IntegrationEvent, name="kit.counter-changed.v1", ordered=True):
+    """A counter's new value."""
+
+    counter_id: str
+    value: int
 
 
 @pytest.mark.parametrize(
@@ -50,16 +56,12 @@ def test_the_document_has_a_channel_per_event_and_a_receive_operation_per_consum
         del event, uow
 
     handlers.consume("kit.observer", CounterChangedV1, observe)  # type: ignore[arg-type]
-    settings = make_settings(
-        "sqlite+aiosqlite://",
-        application={"namespace": "shop"},
-        message_bus={"transport": "rabbitmq", "url": "amqp://orders:s3cret@rabbit:5672/"},
-    )
+    bus = MessageBusSettings(transport="rabbitmq", url="amqp://orders:s3cret@rabbit:5672/")
     document = asyncapi_document(
         registry,
         handlers,
-        settings.message_bus,
-        namespace=settings.application.resolved_namespace,
+        bus,
+        namespace="shop",
         title="Shop",
         description="Sells things",
     )
