@@ -157,8 +157,7 @@ class InMemoryUnitOfWork:
             raise RuntimeError(msg)
         captured = [(aggregate, repo, aggregate.pending_events) for aggregate, repo in self._tracked]
         staged = [(aggregate, repo.stage(aggregate)) for aggregate, repo, pending in captured if pending]
-        for write in self._before_commit:
-            await write()
+        await self._run_before_commit([(aggregate, version) for aggregate, (_, version) in staged])
         for aggregate, (key, version) in staged:  # all checked first: a stale one saves nothing
             saved = copy.deepcopy(aggregate)
             saved.version = version
@@ -172,6 +171,19 @@ class InMemoryUnitOfWork:
         self.store.scheduled.extend(self._commands)
         self.store.commits += 1
         self.committed = True
+
+    async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
+        """The ``before_commit`` writes see the versions the commit saves, as with SQL; the old
+        ones come back if a write fails (nothing was saved)."""
+        old_versions = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
+        for aggregate, version in new_versions:
+            aggregate.version = version
+        try:
+            for write in self._before_commit:
+                await write()
+        finally:
+            for aggregate, version in old_versions:
+                aggregate.version = version
 
     async def rollback(self) -> None:
         self._reset()
