@@ -39,6 +39,7 @@ from .domain.errors import ConcurrencyError, NotFoundError
 from .domain.events import DomainEvent
 from .kernel.request_context import current_context
 from .unit_of_work import savepoint as savepoints
+from .unit_of_work.unit_of_work import run_before_commit
 
 A = TypeVar("A", bound=AggregateRoot)
 P = TypeVar("P")
@@ -157,7 +158,9 @@ class InMemoryUnitOfWork:
             raise RuntimeError(msg)
         captured = [(aggregate, repo, aggregate.pending_events) for aggregate, repo in self._tracked]
         staged = [(aggregate, repo.stage(aggregate)) for aggregate, repo, pending in captured if pending]
-        await self._run_before_commit([(aggregate, version) for aggregate, (_, version) in staged])
+        await run_before_commit(
+            self._before_commit, [(aggregate, version) for aggregate, (_, version) in staged]
+        )
         for aggregate, (key, version) in staged:  # all checked first: a stale one saves nothing
             saved = copy.deepcopy(aggregate)
             saved.version = version
@@ -171,19 +174,6 @@ class InMemoryUnitOfWork:
         self.store.scheduled.extend(self._commands)
         self.store.commits += 1
         self.committed = True
-
-    async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
-        """The ``before_commit`` writes see the versions the commit saves, as with SQL; the old
-        ones come back if a write fails (nothing was saved)."""
-        old_versions = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
-        for aggregate, version in new_versions:
-            aggregate.version = version
-        try:
-            for write in self._before_commit:
-                await write()
-        finally:
-            for aggregate, version in old_versions:
-                aggregate.version = version
 
     async def rollback(self) -> None:
         self._reset()
