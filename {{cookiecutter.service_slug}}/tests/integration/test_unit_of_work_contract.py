@@ -7,7 +7,8 @@ commits published and scheduled) over the test context's ``Counter`` aggregate a
 port (``tests/kit.py``): nothing is saved or published before ``commit``; a commit saves the
 aggregate (a new unit of work loads the same state and version) and removes exactly the events
 it captured; a stale version raises ``ConcurrencyError`` and saves nothing; an aggregate of
-another tenant is not found; a failed savepoint block leaves nothing it collected.
+another tenant is not found; a failed savepoint block leaves nothing it collected; a
+``before_commit`` write (an idempotency key's answer) sees the versions the commit saves.
 """
 
 from __future__ import annotations
@@ -209,6 +210,23 @@ async def test_run_commits_what_the_operation_collected(harness: Harness) -> Non
             stored = await uow.repository(Counters).get("c-9")
     assert stored.version == 1
     assert await harness.published() == ["kit.counter-changed.v1"]
+
+
+async def test_a_before_commit_write_sees_the_saved_versions(harness: Harness) -> None:
+    seen: list[int] = []
+    with acting_as("acme"):
+        await create(harness)
+        async with harness.open() as uow:
+            counter = await uow.repository(Counters).get("c-1")
+            counter.increment(by=1)
+
+            async def record_the_answer() -> None:  # what an Idempotency-Key's answer does
+                seen.append(counter.version)
+
+            uow.before_commit(record_the_answer)
+            await uow.commit()
+    assert seen == [2]
+    assert counter.version == 2
 
 
 def test_the_fake_reads_its_clock_and_refuses_a_port_it_has_no_adapter_for() -> None:

@@ -39,6 +39,7 @@ from .domain.errors import ConcurrencyError, NotFoundError
 from .domain.events import DomainEvent
 from .kernel.request_context import current_context
 from .unit_of_work import savepoint as savepoints
+from .unit_of_work.unit_of_work import run_before_commit
 
 A = TypeVar("A", bound=AggregateRoot)
 P = TypeVar("P")
@@ -157,8 +158,9 @@ class InMemoryUnitOfWork:
             raise RuntimeError(msg)
         captured = [(aggregate, repo, aggregate.pending_events) for aggregate, repo in self._tracked]
         staged = [(aggregate, repo.stage(aggregate)) for aggregate, repo, pending in captured if pending]
-        for write in self._before_commit:
-            await write()
+        await run_before_commit(
+            self._before_commit, [(aggregate, version) for aggregate, (_, version) in staged]
+        )
         for aggregate, (key, version) in staged:  # all checked first: a stale one saves nothing
             saved = copy.deepcopy(aggregate)
             saved.version = version

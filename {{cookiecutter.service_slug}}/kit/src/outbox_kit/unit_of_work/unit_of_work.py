@@ -89,6 +89,25 @@ class _Captured:
         return [event for _, _, pending in self.aggregates for event in pending]
 
 
+async def run_before_commit(
+    writes: list[Callable[[], Awaitable[None]]], new_versions: list[tuple[AggregateRoot, int]]
+) -> None:
+    """The ``before_commit`` writes, with the versions the commit saves on the aggregates
+    meanwhile; the versions go back until the commit succeeds (a failed commit changed nothing).
+    Shared with the in-memory unit of work (``outbox_kit.testing``)."""
+    if not writes:
+        return
+    saved = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
+    for aggregate, version in new_versions:
+        aggregate.version = version
+    try:
+        for write in writes:
+            await write()
+    finally:
+        for aggregate, version in saved:
+            aggregate.version = version
+
+
 class SqlUnitOfWork:
     """One business transaction on one session. ``async with uow:`` then ``await uow.commit()``.
 
@@ -257,19 +276,7 @@ class SqlUnitOfWork:
         ]
 
     async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
-        """The ``before_commit`` writes, with the saved versions on the aggregates meanwhile; the
-        versions go back until the commit succeeds (a failed commit changed nothing)."""
-        if not self._before_commit:
-            return
-        saved = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
-        for aggregate, version in new_versions:
-            aggregate.version = version
-        try:
-            for write in self._before_commit:
-                await write()
-        finally:
-            for aggregate, version in saved:
-                aggregate.version = version
+        await run_before_commit(self._before_commit, new_versions)
 
     async def _write_rows(self, captured: _Captured) -> tuple[Capture, list[WrittenRow]]:
         """One outbox row per event and one row per command, in this transaction."""
