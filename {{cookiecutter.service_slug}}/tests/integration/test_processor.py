@@ -652,12 +652,16 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
     assert loop.cycles <= 6  # woke for the retry, no busy loop meanwhile
 
 
-async def run_loop_for(loop: PollingLoop, seconds: float) -> None:
+async def run_loop_until(loop: PollingLoop, cycles: int, timeout: float = 20.0) -> None:
+    """Run the loop until it has turned ``cycles`` times (a count, not a time window: on a loaded
+    machine or behind a slow first connection, a fixed window once saw no cycle at all)."""
     task = asyncio.create_task(loop.run())
-    await asyncio.sleep(seconds)
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task  # let it return its connection before the test ends
+    try:
+        await eventually(lambda: loop.cycles >= cycles, timeout)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # let it return its connection before the test ends
 
 
 async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytest.LogCaptureFixture) -> None:
@@ -666,8 +670,7 @@ async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytes
     source = outbox_source(container, ScriptedDeliverer())
     loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=0.05, clock=container.clock())
     with caplog.at_level(logging.DEBUG, logger=PollingLoop.__module__.partition(".")[0]):
-        await run_loop_for(loop, 0.6)
-    assert loop.cycles >= 3
+        await run_loop_until(loop, cycles=3)
     assert [r.getMessage() for r in caplog.records] == []
 
 
