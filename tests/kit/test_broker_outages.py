@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import pytest
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
-from outbox_kit.application.registry import (
-    MessageRegistry,
-)
-from outbox_kit.brokers.naming import (
-    EndpointNames,
-)
-from outbox_kit.brokers.transports.rabbit import (
-    RabbitTransport,
-)
-from outbox_kit.messaging.settings import MessageBusSettings
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.transports.settings import EndpointNames
+from outbox_kit.transports.rabbit import RabbitTransport
+from outbox_kit.transports.settings import MessageBusSettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,35 +1,13 @@
 """Request context: validation, role flattening, capture and restore."""
 
 import pytest
-from outbox_kit.kernel.context_values import (
-    MAX_TENANT_BYTES,
-    MAX_USER_BYTES,
-    InvalidContextError,
-    validate_correlation_id,
-)
-from outbox_kit.kernel.hops import capture, restored
-from outbox_kit.kernel.request_context import (
-    RequestContext,
-    current_context,
-    use_context,
-)
-from outbox_kit.kernel.roles import (
-    MAX_ROLES_BYTES,
-    flatten_roles,
-)
-from outbox_kit.messaging.header_names import (
-    LIMITS,
-    TENANT_ID,
-    USER_ID,
-    USER_ROLES,
-)
-from outbox_kit.persistence.audit_tables import (
-    InboxMessage,
-)
-from outbox_kit.persistence.tables import (
-    COMMAND_TABLE,
-    OUTBOX_TABLE,
-)
+from outbox_kit.application.context import MAX_TENANT_BYTES, MAX_USER_BYTES, InvalidContextError, validate_correlation_id
+from outbox_kit.application.context import capture, restored
+from outbox_kit.application.context import RequestContext, current_context, use_context
+from outbox_kit.application.context import MAX_ROLES_BYTES, flatten_roles
+from outbox_kit.transports.envelope import LIMITS, TENANT_ID, USER_ID, USER_ROLES
+from outbox_kit.persistence.tables import InboxMessage
+from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
 
 pytestmark = pytest.mark.unit
 

@@ -39,20 +39,20 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from outbox_kit.application.handler_types import (
+from outbox_kit.application.handlers import (
     Consumer,
 )
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.brokers.faststream_bus import (
+from outbox_kit.consume.bus import (
     build_transport,
 )
-from outbox_kit.brokers.naming import (
-    EndpointNames,
-)
-from outbox_kit.brokers.transports.ports import (
+from outbox_kit.transports.base import (
     Delivery,
+)
+from outbox_kit.transports.settings import (
+    EndpointNames,
 )
 
 from {{ cookiecutter.package_name }}.settings import (

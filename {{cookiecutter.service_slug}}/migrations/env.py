@@ -8,8 +8,6 @@ import asyncio
 from logging.config import fileConfig
 
 # Every table the framework owns: a module left out here is a table autogenerate would drop.
-import outbox_kit.persistence.audit_tables
-import outbox_kit.persistence.tables  # noqa: F401
 from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 import pytest
 import sqlalchemy as sa
 from fastapi import APIRouter
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
     use_context,
 )

@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from outbox_kit.application.module import (
+from outbox_kit.application.handlers import (
     collect_adapters,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 

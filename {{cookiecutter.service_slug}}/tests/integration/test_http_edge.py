@@ -18,16 +18,14 @@ import httpx
 import jwt
 import pytest
 from fastapi import APIRouter, Depends, status
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
 )
-from outbox_kit.unit_of_work.factory import (
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
     UnitOfWorkFactory,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
-)
-from outbox_kit.web.dependencies import (
+from outbox_kit.runtime.http import (
     authenticated,
     units_of_work,
 )

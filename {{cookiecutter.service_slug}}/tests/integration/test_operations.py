@@ -15,22 +15,22 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from outbox_kit.operations.requests import AdminError
-from outbox_kit.persistence.audit_tables import (
+from outbox_kit.persistence.tables import (
+    COMMAND_TABLE,
     DeadLetterReplay,
     InboxMessage,
 )
-from outbox_kit.persistence.tables import COMMAND_TABLE
 from outbox_kit.persistence.tables import (
     InternalCommand as InternalCommandRow,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
-    PollingLoop,
-)
-from outbox_kit.polling.results import Delivered
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.processor import (
+    PollingLoop,
+)
+from outbox_kit.transports.bus import Delivered
 from prometheus_client import generate_latest
 from sqlmodel import select
 
@@ -328,7 +328,7 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     seen: list[tuple[str | None, str]] = []
 
     async def run_command(command: RecordEffect, uow: SqlUnitOfWork) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 

@@ -17,15 +17,14 @@ import sqlalchemy as sa
 from outbox_kit.domain import (
     DomainEvent,
 )
-from outbox_kit.messaging.outages import CircuitOpenError
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.processor import (
     PollingLoop,
 )
-from outbox_kit.polling.results import Delivered
+from outbox_kit.transports.bus import CircuitOpenError, Delivered
 from sqlalchemy.exc import DBAPIError
 
 from {{ cookiecutter.package_name }}.container import (
@@ -170,9 +169,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from outbox_kit.unit_of_work.capture import (
-                OUTBOX_TABLE,
-            )
+            from outbox_kit.persistence.tables import OUTBOX_TABLE
 
             await session.exec(  # type: ignore[call-overload]
                 OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == second_id).values(lock_token=thief)
@@ -259,7 +256,7 @@ def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
 
 @pytest.fixture(autouse=True)
 def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from outbox_kit.polling.source import (
+    from outbox_kit.processor.cycle import (
         TableSource,
     )
 
@@ -741,7 +738,7 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     seen: list[tuple[str | None, str | None, str | None]] = []
 
     async def who(event: Created, uow: Any) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 

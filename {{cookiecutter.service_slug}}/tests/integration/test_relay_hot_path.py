@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from outbox_kit.persistence.leases import LeaseStore
 from outbox_kit.persistence.tables import OUTBOX_TABLE
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.leases import LeaseStore
-from outbox_kit.polling.loop import CycleResult, PollingLoop
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import TableSource
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.processor import CycleResult, PollingLoop
+from outbox_kit.transports.bus import Delivered
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from {{ cookiecutter.package_name }}.container import Container, build_container

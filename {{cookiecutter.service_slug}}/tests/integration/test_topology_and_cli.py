@@ -22,14 +22,14 @@ import sqlalchemy as sa
 from outbox_kit.application.messages import (
     IntegrationEvent,
 )
+from outbox_kit.persistence.capture import (
+    WakeSignal,
+    notify_channel,
+)
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.listener import PostgresListener
-from outbox_kit.polling.wake import WakeSignal
-from outbox_kit.unit_of_work.capture import (
-    notify_channel,
-)
+from outbox_kit.processor.listener import PostgresListener
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 

@@ -16,20 +16,18 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from outbox_kit.kernel.otel import OpenTelemetryTracing
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     current_context,
 )
+from outbox_kit.application.otel import OpenTelemetryTracing
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.unit_of_work.factory import (
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
     UnitOfWorkFactory,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
-)
-from outbox_kit.web.dependencies import (
+from outbox_kit.runtime.http import (
     units_of_work,
 )
 

@@ -22,23 +22,21 @@ from outbox_kit.domain import (
     DomainError,
     NotFoundError,
 )
+from outbox_kit.persistence.capture import (
+    RelayWriter,
+)
 from outbox_kit.persistence.database import (
     Database,
+    HandlerMustNotSaveError,
 )
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InternalCommand,
     OutboxMessage,
 )
-from outbox_kit.polling.claim import (
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
+from outbox_kit.processor.claim import (
     Claimer,
-)
-from outbox_kit.unit_of_work.capture import (
-    RelayWriter,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
-    HandlerMustNotSaveError,
-    SqlUnitOfWork,
 )
 from sqlalchemy.exc import OperationalError
 from sqlmodel import select
@@ -577,7 +575,7 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     received: list[tuple[int, str | None]] = []
 
     async def consume(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 

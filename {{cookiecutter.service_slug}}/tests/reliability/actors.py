@@ -18,36 +18,36 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
-from outbox_kit.kernel.clock import (
-    system_clock,
-)
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     CapturedContext,
 )
-from outbox_kit.kernel.time_limits import TimeLimit
-from outbox_kit.kernel.tracing import (
+from outbox_kit.application.observability import (
     SpanKind,
 )
-from outbox_kit.messaging.envelope import (
-    Envelope,
+from outbox_kit.application.timing import (
+    TimeLimit,
+    system_clock,
+)
+from outbox_kit.persistence.capture import (
+    WakeSignal,
 )
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
-    PollingLoop,
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
 )
-from outbox_kit.polling.ports import SourceSettings
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import (
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import (
     TableSource,
 )
-from outbox_kit.polling.wake import (
-    WakeSignal,
+from outbox_kit.processor.processor import (
+    PollingLoop,
+    SourceSettings,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
+from outbox_kit.transports.bus import Delivered
+from outbox_kit.transports.envelope import (
+    Envelope,
 )
 
 from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.brokers.consume import CRASH_GUARD_ERROR
-from outbox_kit.kernel.hops import capture
-from outbox_kit.messaging.envelope import (
-    Envelope,
-)
+from outbox_kit.application.context import capture
+from outbox_kit.consume.subscribers import CRASH_GUARD_ERROR
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
+)
+from outbox_kit.transports.envelope import (
+    Envelope,
 )
 
 from {{ cookiecutter.package_name }}.container import (

@@ -18,8 +18,7 @@ published before ``commit``; a commit captures each aggregate's pending events a
 exactly those; a stale version raises ``ConcurrencyError``; an aggregate of another tenant is
 not found; a failed ``savepoint`` block leaves nothing it collected. What it does not do is
 deliver: committed domain events, integration events and internal commands are recorded on the
-store for the test to assert on (run a handler yourself to test it).
-"""
+store for the test to assert on (run a handler yourself to test it)."""
 
 from __future__ import annotations
 
@@ -33,13 +32,13 @@ from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from .application.messages import IntegrationEvent, InternalCommand
-from .domain.aggregate import AggregateRoot
-from .domain.errors import ConcurrencyError, NotFoundError
-from .domain.events import DomainEvent
-from .kernel.request_context import current_context
-from .unit_of_work import savepoint as savepoints
-from .unit_of_work.unit_of_work import run_before_commit
+from outbox_kit.application.context import current_context
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand
+from outbox_kit.domain.aggregate import AggregateRoot
+from outbox_kit.domain.errors import ConcurrencyError, NotFoundError
+from outbox_kit.domain.events import DomainEvent
+from outbox_kit.persistence import repository as savepoints
+from outbox_kit.persistence.unit_of_work import run_before_commit
 
 A = TypeVar("A", bound=AggregateRoot)
 P = TypeVar("P")

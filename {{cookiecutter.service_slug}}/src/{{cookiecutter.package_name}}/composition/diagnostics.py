@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from outbox_kit.unit_of_work.capture import RelayWriter
-from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.persistence.capture import RelayWriter
+from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
 
 from ..settings import Settings
 

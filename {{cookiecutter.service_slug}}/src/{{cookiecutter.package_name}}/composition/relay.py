@@ -9,24 +9,21 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from outbox_kit.application.handlers import HandlerRegistry
-from outbox_kit.application.registry import MessageRegistry
-from outbox_kit.commands.deliverer import CommandDeliverer
-from outbox_kit.kernel.clock import system_clock
-from outbox_kit.kernel.metrics import RelayMetrics
-from outbox_kit.kernel.tracing import Tracing
-from outbox_kit.messaging.bus import MessageBus
-from outbox_kit.messaging.direct import DirectPublisher
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.application.observability import RelayMetrics, Tracing
+from outbox_kit.application.timing import system_clock
 from outbox_kit.operations.retention import RetentionPolicy
-from outbox_kit.outbox.deliverer import OutboxDeliverer
-from outbox_kit.outbox.in_process import LocalDispatcher
+from outbox_kit.persistence.capture import RelayWriter, WakeSignal, notify_channel
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
-from outbox_kit.polling.listener import PostgresListener
-from outbox_kit.polling.ports import Deliverer, SourceSettings
-from outbox_kit.polling.source import TableSource
-from outbox_kit.polling.wake import WakeSignal
-from outbox_kit.unit_of_work.capture import RelayWriter, notify_channel
-from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
+from outbox_kit.processor.commands import CommandDeliverer
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.in_process import LocalDispatcher
+from outbox_kit.processor.listener import PostgresListener
+from outbox_kit.processor.outbox import OutboxDeliverer
+from outbox_kit.processor.processor import Deliverer, SourceSettings
+from outbox_kit.transports.bus import DirectPublisher, MessageBus
 
 from ..settings import Settings
 

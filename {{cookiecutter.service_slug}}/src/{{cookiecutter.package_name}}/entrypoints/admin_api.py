@@ -15,12 +15,18 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
-from outbox_kit.kernel.request_context import RequestContext
+from outbox_kit.application.context import RequestContext
 from outbox_kit.operations.admin import RelayAdministration
-from outbox_kit.operations.requests import MAX_OFFSET, MAX_PAGE, AdminError, RowNotFoundError
-from outbox_kit.operations.tenant_scope import EVERY_TENANT, TenantScope
-from outbox_kit.web.dependencies import require_role
-from outbox_kit.web.errors import error_responses
+from outbox_kit.operations.requests import (
+    EVERY_TENANT,
+    MAX_OFFSET,
+    MAX_PAGE,
+    AdminError,
+    RowNotFoundError,
+    TenantScope,
+)
+from outbox_kit.runtime.errors import error_responses
+from outbox_kit.runtime.http import require_role
 from pydantic import BaseModel, ConfigDict, Field
 
 

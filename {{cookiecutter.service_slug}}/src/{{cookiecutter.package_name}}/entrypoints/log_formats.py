@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import logging
 
-from outbox_kit.kernel.escaping import escape_controls
-from outbox_kit.kernel.request_context import current_context
+from outbox_kit.application.context import current_context
+from outbox_kit.application.text import escape_controls
 
 
 def _exception_text(formatter: logging.Formatter, record: logging.LogRecord) -> str | None:

@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from outbox_kit.kernel.redaction import mask_credentials
+from outbox_kit.application.text import mask_credentials
 
 from ..about import SERVICE_NAME
 from ..container import Container

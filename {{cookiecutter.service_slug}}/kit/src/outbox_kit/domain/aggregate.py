@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
-from .events import DomainEvent
+from outbox_kit.domain.events import DomainEvent
 
 E = TypeVar("E", bound=DomainEvent)
 _APPLIES = "__applies_event__"

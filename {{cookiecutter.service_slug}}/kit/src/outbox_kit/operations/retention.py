@@ -10,8 +10,7 @@ evidence for diagnosis and replay) after they were dead-lettered, inbox rows
 a replayed dead letter that failed again would vanish before anyone read it). Deletion cannot be
 undone, so every sweep that removed rows logs one Warning per table naming the counts. Deletes run
 in bounded batches, each its own short transaction, through indexes that contain no pending row, so
-the claim's hot path is never locked for long.
-"""
+the claim's hot path is never locked for long."""
 
 from __future__ import annotations
 
@@ -22,11 +21,10 @@ from datetime import timedelta
 
 import sqlalchemy as sa
 
-from ..kernel.clock import Clock
-from ..kernel.metrics import RelayMetrics
-from ..persistence.audit_tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE
-from ..persistence.database import Database
-from ..persistence.tables import POLLED_TABLES
+from outbox_kit.application.observability import RelayMetrics
+from outbox_kit.application.timing import Clock
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE, POLLED_TABLES
 
 log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE

@@ -1,4 +1,7 @@
-"""The tables the outbox machinery owns: ``outbox_messages``, ``internal_commands``,
+"""The kit's tables: the relay tables (outbox, internal commands), the inbox, dead-letter replays
+and idempotency keys; and the helpers a context's tables use.
+
+The tables the outbox machinery owns: ``outbox_messages``, ``internal_commands``,
 ``inbox_messages`` and ``dead_letter_replays``.
 
 ``outbox_messages`` and ``internal_commands`` share one column set (:class:`PolledColumns`), so
@@ -7,8 +10,21 @@ both. ``seq`` is a monotonic per-row sequence (an identity column on PostgreSQL,
 SQLite's single writer): ordering keys are ordered by it, never by a timestamp that can tie.
 
 The partial indexes cover only pending rows (neither processed nor dead-lettered), so retained
-history never slows the claim; see ``polling/claim.py`` for the statement that uses them.
-"""
+history never slows the claim; see ``processor/claim.py`` for the statement that uses them.
+
+The service's own audit, inbox and idempotency tables: one row per consumed message per consumer
+(its primary key is the deduplication guard), one row per dead-letter replay, and one row per
+answered idempotency key per tenant.
+
+The polled tables by the name operators use for them (``outbox``, ``internal_commands``).
+
+``INSERT ... ON CONFLICT`` on PostgreSQL and SQLite alike.
+
+"Create the row, or change the one that is there" and "create the row unless it is there" are
+races when written as a read followed by a write: two transactions read the same state and both
+act on it (a lost update, or a unique violation). One ``INSERT ... ON CONFLICT`` statement is
+atomic on both databases: the conflict is resolved against the row as it is when the statement
+writes, and a concurrent insert of the same key waits for the other transaction to finish."""
 
 from __future__ import annotations
 
@@ -18,8 +34,9 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlmodel import JSON, Field, SQLModel
+from sqlmodel.ext.asyncio.session import AsyncSession
 
 PENDING = "processed_on IS NULL AND dead_lettered_on IS NULL"
 JSON_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -124,3 +141,76 @@ class PolledTable:
 OUTBOX = PolledTable("outbox", OUTBOX_TABLE, "event_name")
 INTERNAL_COMMANDS = PolledTable("internal_commands", COMMAND_TABLE, "command_name")
 POLLED_TABLES: dict[str, PolledTable] = {t.name: t for t in (OUTBOX, INTERNAL_COMMANDS)}
+
+
+class InboxMessage(SQLModel, table=True):
+    """One consumed message per consumer; the primary key is the deduplication guard."""
+
+    __tablename__ = "inbox_messages"
+    __table_args__ = (sa.Index("ix_inbox_messages_received_on", "received_on"),)
+
+    message_id: str = Field(primary_key=True, max_length=128)
+    consumer: str = Field(primary_key=True, max_length=200)
+    event_name: str = Field(max_length=200)
+    tenant_id: str | None = Field(default=None, max_length=64)
+    correlation_id: str | None = Field(default=None, max_length=64)
+    received_on: datetime
+    # SHA-256 (hex) of the signed body: a later message under this id with another body is a
+    # conflict, not a copy. NULL on rows received before the column existed.
+    body_digest: str | None = Field(default=None, max_length=64)
+
+
+class DeadLetterReplay(SQLModel, table=True):
+    """Audit record of one replay: who returned which dead letters to the pending pool, when."""
+
+    __tablename__ = "dead_letter_replays"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    source: str = Field(max_length=32)
+    replayed_by: str = Field(max_length=128)
+    replayed_on: datetime
+    message_count: int
+    message_ids: list[str] = Field(sa_type=JSON_TYPE, nullable=False)
+
+
+class IdempotencyKey(SQLModel, table=True):
+    """One create request per ``(tenant, Idempotency-Key)``, written in the transaction that ran
+    it, with the answer it got (see ``persistence/idempotency.py``). The primary key is the guard that
+    makes a concurrent retry wait for, then repeat, the first answer."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (sa.Index("ix_idempotency_keys_created_on", "created_on"),)
+
+    tenant_id: str = Field(primary_key=True, max_length=64)  # "" for a caller without a tenant
+    key: str = Field(primary_key=True, max_length=255)
+    fingerprint: str = Field(max_length=64)  # SHA-256 (hex) of the operation and its body
+    status_code: int | None = None
+    # The answer's exact JSON text (not JSONB, which reorders keys): a replay repeats its bytes.
+    response_body: str | None = Field(default=None, sa_type=sa.Text)
+    created_on: datetime
+
+
+INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
+IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKey.__table__  # type: ignore[attr-defined]
+
+
+class UnknownSourceError(LookupError):
+    """The operator named a source this service does not have."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown source {name!r}; use one of: {', '.join(POLLED_TABLES)}")
+
+
+def source_named(name: str) -> PolledTable:
+    try:
+        return POLLED_TABLES[name]
+    except KeyError:
+        raise UnknownSourceError(name) from None
+
+
+def upsert(session: AsyncSession, table: sa.Table) -> postgresql.Insert | sqlite.Insert:
+    """An ``INSERT`` into ``table`` for the session's database, with ``on_conflict_do_update``
+    and ``on_conflict_do_nothing`` (the same signature on both dialects)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)

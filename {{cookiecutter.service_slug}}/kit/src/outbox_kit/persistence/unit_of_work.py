@@ -1,0 +1,412 @@
+"""The SQL unit of work and its factory.
+
+What a unit of work that delivers a message writes besides the handler's effects.
+
+The processed stamp of the row it delivers (guarded by the lease token: if another processor
+took the row, the stamp matches nothing and ``LeaseLostError`` rolls the whole transaction back,
+so a redelivery cannot double an effect), or the inbox row of the message it consumes. Both are
+written in the same transaction as the handler's effects, just before the commit.
+
+What every unit of work of one factory shares, as the unit of work needs it.
+
+A Protocol rather than the factory itself, so the unit of work and the factory that builds it do
+not import each other; and what runs after a commit (the in-process dispatcher, which lives a
+floor above) comes in as :class:`AfterCommit`.
+
+The unit of work: one transaction, and the only place that saves.
+
+``commit()`` does, in this order:
+
+1. snapshots the pending events of every aggregate its repositories have seen, plus the
+   integration events and internal commands enqueued on it;
+2. persists the aggregates (a stale version raises ``ConcurrencyError``) and writes one outbox
+   row per event in the same transaction, with the request context captured on each row;
+3. applies the token-guarded stamps and the staged inbox row of the delivery it belongs to (if
+   any): a lost lease rolls everything back, so a redelivery cannot double an effect;
+4. commits, then removes exactly the captured events from the aggregates (events a handler
+   raises meanwhile stay pending for the next save) and wakes the processor;
+5. hands the local domain-event rows it leased to the in-process dispatcher (``AfterCommit``).
+
+A rollback, whether an exception or an explicit ``rollback()``, drops the rows together with the
+business change and every deferred piece of work. ``run(operation)`` re-runs a whole operation
+on a transient database error, each attempt on a fresh session, and writes exactly one row per
+event because nothing is captured until a commit succeeds.
+
+Why handlers do not save: a handler runs *after* the commit that raised its event, inside the
+follow-up unit of work that also stamps the event processed. If it committed on its own, its
+writes would land without the stamp (a retry would repeat them) or before the owning transaction
+decided (a rollback could not undo them). While a handler runs, ``commit()`` therefore raises
+:class:`HandlerMustNotSaveError` naming it; the architecture tests prove the same statically.
+
+Creates units of work and holds what they share (built once by the container).
+
+It implements ``Shared`` for its units of work and the contexts' ``UnitOfWorkFactory``
+Protocol for entry points. What runs after a commit comes in as an ``AfterCommit`` (the
+in-process dispatcher), never imported from the floor above."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Protocol, Self, TypeVar
+
+from sqlalchemy.exc import DBAPIError
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from outbox_kit.application.context import capture
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand
+from outbox_kit.application.timing import Clock
+from outbox_kit.application.unit_of_work import Adapter
+from outbox_kit.domain.aggregate import AggregateRoot
+from outbox_kit.domain.events import DomainEvent
+from outbox_kit.persistence import repository as savepoints
+from outbox_kit.persistence.capture import Capture, RelayWriter, WrittenRow
+from outbox_kit.persistence.database import Database, is_transient, refuse_commit_in_handler
+from outbox_kit.persistence.leases import LeaseLostError, LeaseStore
+from outbox_kit.persistence.tables import InboxMessage
+
+
+@dataclass(frozen=True)
+class Stamp:
+    store: LeaseStore
+    row_id: uuid.UUID
+    token: uuid.UUID
+
+
+@dataclass
+class DeliveryRecords:
+    """The stamps and inbox rows one unit of work writes at commit."""
+
+    stamps: list[Stamp] = field(default_factory=list)
+    inbox: list[InboxMessage] = field(default_factory=list)
+
+    def stamp(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
+        self.stamps.append(Stamp(store, row_id, token))
+
+    async def apply(self, session: AsyncSession, now: datetime) -> None:
+        for stamp in self.stamps:
+            connection = await session.connection()
+            if not await stamp.store.stamp_processed(connection, [stamp.row_id], stamp.token, now):
+                msg = f"lease on {stamp.store.table.name} row {stamp.row_id} was lost"
+                raise LeaseLostError(msg)
+        for row in self.inbox:
+            session.add(row)
+
+
+class AfterCommit(Protocol):
+    """Delivers, in-process, what a commit wrote for this process."""
+
+    async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
+        """Deliver the rows a commit inserted leased to this process (never raises but on
+        shutdown: the commit stands)."""
+        ...
+
+    async def dispatch_without_outbox(
+        self, events: Sequence[DomainEvent], integration_events: Sequence[IntegrationEvent], *, depth: int
+    ) -> None:
+        """Outbox off (in-process transport only): dispatch and publish directly, best effort."""
+        ...
+
+
+class Shared(Protocol):
+    """The factory's resources, one set for every unit of work it gives."""
+
+    database: Database
+    writer: RelayWriter
+    after_commit: AfterCommit
+    clock: Clock
+    wake: Callable[[], None]
+    outbox_enabled: bool
+    adapters: Mapping[type[Any], Adapter]
+    transient_retry_attempts: int
+
+    async def transient_pause(self, attempt: int, error: DBAPIError) -> None:
+        """Wait before re-running an operation that hit a transient database error."""
+        ...
+
+
+T = TypeVar("T")
+P = TypeVar("P")
+
+
+class UnitOfWorkStateError(RuntimeError):
+    """The unit of work was used outside ``async with`` or after it finished."""
+
+
+class Persister(Protocol):
+    """What the unit of work asks of a repository at commit."""
+
+    async def persist(self, aggregate: Any) -> int:  # noqa: ANN401 (the repository's aggregate)
+        """Write the aggregate's state; return its new version."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Captured:
+    """The aggregates' pending events as the commit saw them (removed only after it)."""
+
+    aggregates: list[tuple[AggregateRoot, Persister, tuple[DomainEvent, ...]]]
+
+    @property
+    def events(self) -> list[DomainEvent]:
+        return [event for _, _, pending in self.aggregates for event in pending]
+
+
+async def run_before_commit(
+    writes: list[Callable[[], Awaitable[None]]], new_versions: list[tuple[AggregateRoot, int]]
+) -> None:
+    """The ``before_commit`` writes, with the versions the commit saves on the aggregates
+    meanwhile; the versions go back until the commit succeeds (a failed commit changed nothing).
+    Shared with the in-memory unit of work (``outbox_kit.testing``)."""
+    if not writes:
+        return
+    saved = [(aggregate, aggregate.version) for aggregate, _ in new_versions]
+    for aggregate, version in new_versions:
+        aggregate.version = version
+    try:
+        for write in writes:
+            await write()
+    finally:
+        for aggregate, version in saved:
+            aggregate.version = version
+
+
+class SqlUnitOfWork:
+    """One business transaction on one session. ``async with uow:`` then ``await uow.commit()``.
+
+    Implements the contexts' ``UnitOfWork`` and ``AdapterScope`` Protocols, and what only the
+    delivery machinery uses: the session, processed stamps and the inbox row.
+    """
+
+    def __init__(self, shared: Shared, *, depth: int = 0) -> None:
+        self._shared = shared
+        self.depth = depth
+        self._session: AsyncSession | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tracked: list[tuple[AggregateRoot, Persister]] = []
+        self._repositories: dict[type[Any], Any] = {}
+        self._integration_events: list[IntegrationEvent] = []
+        self._commands: list[tuple[InternalCommand, datetime | None]] = []
+        self._records = DeliveryRecords()
+        self._before_commit: list[Callable[[], Awaitable[None]]] = []
+        self.committed = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._session is not None:
+            msg = "this unit of work is already open"
+            raise UnitOfWorkStateError(msg)
+        self._reset()
+        self._session = self._shared.database.sessions()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        session, self._session = self._session, None
+        if session is None:
+            return
+        try:
+            if not self.committed:
+                await session.rollback()
+        finally:
+            await session.close()
+
+    @property
+    def session(self) -> AsyncSession:
+        if self._session is None:
+            msg = "open the unit of work with 'async with uow:' before using it"
+            raise UnitOfWorkStateError(msg)
+        return self._session
+
+    @property
+    def now(self) -> datetime:
+        return self._shared.clock()
+
+    async def run(self, operation: Callable[[Self], Awaitable[T]]) -> T:
+        """Run ``operation`` and commit, re-running all of it on a transient database error."""
+        attempts = self._shared.transient_retry_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                async with self:
+                    result = await operation(self)
+                    if not self.committed:
+                        await self.commit()
+                    return result
+            except DBAPIError as error:
+                if attempt == attempts or not is_transient(error):
+                    raise
+                await self._shared.transient_pause(attempt, error)
+        msg = "unreachable"
+        raise AssertionError(msg)
+
+    # -- what a transaction collects -------------------------------------------------------
+
+    def repository(self, port: type[P]) -> P:
+        """The adapter of ``port`` bound to this unit of work (one instance per port).
+
+        ``port`` is usually a Protocol a bounded context declares; the composition root maps it
+        to its adapter, so use cases never import an adapter.
+        """
+        repository = self._repositories.get(port)
+        if repository is None:
+            adapter = self._shared.adapters.get(port, port)
+            repository = adapter(self)
+            self._repositories[port] = repository
+        return repository  # type: ignore[no-any-return]
+
+    def track(self, aggregate: AggregateRoot, repository: Persister) -> None:
+        """Remember an aggregate so its events are captured at commit (repositories call it)."""
+        if not any(seen is aggregate for seen, _ in self._tracked):
+            self._tracked.append((aggregate, repository))
+
+    def enqueue(self, event: IntegrationEvent) -> None:
+        """Publish ``event`` to other services once this transaction commits (via the outbox)."""
+        self._integration_events.append(event)
+
+    def schedule(self, command: InternalCommand, due_at: datetime | None = None) -> None:
+        """Run ``command`` later, in its own unit of work, once this transaction commits."""
+        self._commands.append((command, due_at))
+
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` in this transaction at commit, once the aggregates are saved: while it
+        runs they carry their saved versions, so it can record what the caller will be answered
+        (an idempotency key's answer) in the same transaction."""
+        self._before_commit.append(write)
+
+    def stamp_processed_on_commit(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
+        """Mark a delivered row processed in this transaction (dispatcher and processors)."""
+        self._records.stamp(store, row_id, token)
+
+    def stage_inbox(self, row: InboxMessage) -> None:
+        """Record a consumed message in this transaction (the consume pipeline)."""
+        self._records.inbox.append(row)
+
+    @asynccontextmanager
+    async def savepoint(self) -> AsyncIterator[None]:
+        """A nested transaction; releasing it commits nothing and dispatches nothing. When the
+        block raises, this unit of work rolls back with the database (see ``savepoint``), so a
+        later ``commit()`` saves exactly what was decided outside the failed block."""
+        snapshot = savepoints.take(self._tracked, self._collected())
+        try:
+            async with self.session.begin_nested():
+                yield
+        except BaseException:
+            self._tracked = savepoints.restore(snapshot, self._collected())
+            raise
+
+    def _collected(self) -> dict[str, list[Any]]:
+        return {
+            "integration_events": self._integration_events,
+            "commands": self._commands,
+            "stamps": self._records.stamps,
+            "inbox": self._records.inbox,
+        }
+
+    # -- the save --------------------------------------------------------------------------
+
+    async def rollback(self) -> None:
+        """Abandon everything: business change, outbox rows and deferred work alike."""
+        await self.session.rollback()
+        self._reset()
+
+    async def commit(self) -> None:
+        refuse_commit_in_handler()
+        if self.committed:
+            msg = "this unit of work has already committed; open a new one"
+            raise UnitOfWorkStateError(msg)
+        captured = _Captured([(agg, repo, agg.pending_events) for agg, repo in self._tracked])
+        new_versions = await self._persist_aggregates(captured)
+        await self._run_before_commit(new_versions)
+        outbox, written = await self._write_rows(captured)
+        await self._records.apply(self.session, self.now)
+        await self.session.commit()
+        self.committed = True
+        for aggregate, _, aggregate_events in captured.aggregates:
+            aggregate.remove_events(aggregate_events)
+        for aggregate, version in new_versions:
+            aggregate.version = version
+        await self._after_commit(captured, outbox, written)
+
+    async def _persist_aggregates(self, captured: _Captured) -> list[tuple[AggregateRoot, int]]:
+        return [
+            (aggregate, await repository.persist(aggregate))
+            for aggregate, repository, pending in captured.aggregates
+            if pending
+        ]
+
+    async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
+        await run_before_commit(self._before_commit, new_versions)
+
+    async def _write_rows(self, captured: _Captured) -> tuple[Capture, list[WrittenRow]]:
+        """One outbox row per event and one row per command, in this transaction."""
+        enabled = self._shared.outbox_enabled
+        outbox = self._shared.writer.stage(
+            events=captured.events if enabled else [],
+            integration_events=self._integration_events if enabled else [],
+            commands=self._commands,
+            context=capture(),
+            now=self.now,
+        )
+        return outbox, await self._shared.writer.write(self.session, outbox)
+
+    async def _after_commit(self, captured: _Captured, outbox: Capture, written: list[WrittenRow]) -> None:
+        integration_events = list(self._integration_events)
+        self._integration_events.clear()
+        self._commands.clear()
+        if outbox.needs_wake:
+            self._shared.wake()
+        if self._shared.outbox_enabled:
+            await self._shared.after_commit.dispatch_committed(written, depth=self.depth)
+        else:
+            await self._shared.after_commit.dispatch_without_outbox(
+                captured.events, integration_events, depth=self.depth
+            )
+
+
+log = logging.getLogger(__name__)
+
+
+class UnitOfWorkFactory:
+    """``factory()`` gives a new, unopened unit of work."""
+
+    def __init__(
+        self,
+        *,
+        database: Database,
+        writer: RelayWriter,
+        after_commit: AfterCommit,
+        clock: Clock,
+        wake: Callable[[], None],
+        outbox_enabled: bool,
+        adapters: Mapping[type[Any], Adapter] | None = None,
+    ) -> None:
+        self.database = database
+        self.writer = writer
+        self.after_commit = after_commit
+        self.clock = clock
+        self.wake = wake
+        self.outbox_enabled = outbox_enabled
+        self.adapters: Mapping[type[Any], Adapter] = dict(adapters or {})
+        self.transient_retry_attempts = database.settings.transient_retry_attempts
+
+    def __call__(self, *, depth: int = 0) -> SqlUnitOfWork:
+        return SqlUnitOfWork(self, depth=depth)
+
+    async def transient_pause(self, attempt: int, error: DBAPIError) -> None:
+        log.warning(
+            "transient database error, re-running the operation (attempt %s/%s): %s",
+            attempt,
+            self.transient_retry_attempts,
+            error.orig,
+        )
+        await asyncio.sleep(0.05 * 2 ** (attempt - 1))
