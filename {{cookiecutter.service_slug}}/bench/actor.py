@@ -49,7 +49,7 @@ from outbox_kit.consume.bus import (
     build_transport,
 )
 from outbox_kit.transports.base import (
-    Delivery,
+    BrokerDelivery,
 )
 from outbox_kit.transports.settings import (
     EndpointNames,
@@ -157,7 +157,7 @@ async def counter(settings: Settings, event: str, expect: int) -> None:
 
     consumer: Consumer[Any] = Consumer(COUNTER, EVENT_TYPES[event], ignored)
 
-    async def on_delivery(delivery: Delivery) -> None:
+    async def on_delivery(delivery: BrokerDelivery) -> None:
         await delivery.ack()
         try:
             payload = json.loads(delivery.body)

@@ -43,7 +43,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from outbox_kit.application.context import (
-    capture,
+    capture_context,
     use_context,
 )
 from outbox_kit.application.unit_of_work import (
@@ -212,7 +212,7 @@ def prebuilt(container: Container, count: int, *, keys: int) -> list[tuple[Envel
     signer = container.signer()
     messages = []
     with use_context(BENCH_CONTEXT):
-        context = capture()
+        context = capture_context()
     for event in make_events(count, keys=keys):
         envelope = Envelope(
             message_id=str(uuid.uuid4()),

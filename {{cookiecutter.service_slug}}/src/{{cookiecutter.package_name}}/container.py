@@ -22,7 +22,7 @@ from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.retention import RetentionCleaner
 from outbox_kit.persistence.capture import WakeSignal, notify_channel
 from outbox_kit.persistence.database import Database
-from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.commands import CommandDeliverer
 from outbox_kit.processor.outbox import OutboxDeliverer
 from outbox_kit.runtime.worker import Worker
@@ -68,7 +68,7 @@ class Container(containers.DeclarativeContainer):
         providers.Callable(_provider, __self__, "bus"),
     )
     units_of_work = providers.Singleton(
-        UnitOfWorkFactory,
+        SqlUnitOfWorkFactory,
         database=database,
         writer=writer,
         after_commit=dispatcher,

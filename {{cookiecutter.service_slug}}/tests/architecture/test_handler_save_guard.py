@@ -41,7 +41,7 @@ from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InboxMessage,
 )
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, SqlUnitOfWorkFactory
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -106,7 +106,7 @@ class CommitsItsUnitOfWork:
 class OpensASecondUnitOfWork:
     """Misbehaves: opens a unit of work of its own, enqueues an event and commits it."""
 
-    def __init__(self, units: UnitOfWorkFactory) -> None:
+    def __init__(self, units: SqlUnitOfWorkFactory) -> None:
         self.units = units
         self.errors: list[Exception] = []
 

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
-from outbox_kit.application.context import capture, current_context
+from outbox_kit.application.context import capture_context, current_context
 from outbox_kit.application.messages import (
     IntegrationEvent,
     MessageRegistry,
@@ -275,7 +275,7 @@ async def test_a_context_with_non_ascii_values_travels_across_the_broker(
 
 def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="acme"):
-        context = capture()
+        context = capture_context()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
     return Envelope(
         message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context

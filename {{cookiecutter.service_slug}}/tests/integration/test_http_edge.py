@@ -23,7 +23,7 @@ from outbox_kit.application.context import (
 )
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
-    UnitOfWorkFactory,
+    SqlUnitOfWorkFactory,
 )
 from outbox_kit.runtime.http import (
     authenticated,
@@ -41,14 +41,14 @@ from ..kit import install_kit, record_effect
 pytestmark = pytest.mark.integration
 MIB = 1024 * 1024
 Caller = Annotated[RequestContext, Depends(authenticated)]
-Units = Annotated[UnitOfWorkFactory, Depends(units_of_work)]
+Units = Annotated[SqlUnitOfWorkFactory, Depends(units_of_work)]
 
 
 class ProbeIn(BaseModel):
     label: str = Field(max_length=200)
 
 
-async def store(units: UnitOfWorkFactory, label: str) -> dict[str, str]:
+async def store(units: SqlUnitOfWorkFactory, label: str) -> dict[str, str]:
     async def operation(uow: SqlUnitOfWork) -> None:
         await record_effect(uow, label)
 

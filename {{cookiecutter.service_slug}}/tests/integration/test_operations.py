@@ -19,16 +19,14 @@ from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     DeadLetterReplay,
     InboxMessage,
-)
-from outbox_kit.persistence.tables import (
-    InternalCommand as InternalCommandRow,
+    InternalCommandRow,
 )
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
-    PollingLoop,
+    Processor,
 )
 from outbox_kit.transports.bus import Delivered
 from prometheus_client import generate_latest
@@ -361,7 +359,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
     container.handlers().on_command(RecordEffect, run_command)
     (commands,) = [s for s in container.sources() if s.name == "internal_commands"]
     wake = container.wake().subscribe()
-    loop = PollingLoop(commands, wake=wake, interval_seconds=30, clock=container.clock())
+    loop = Processor(commands, wake=wake, interval_seconds=30, clock=container.clock())
     task = asyncio.create_task(loop.run())
     try:
         await asyncio.sleep(0.3)  # the loop is idle, waiting out its 30 s interval

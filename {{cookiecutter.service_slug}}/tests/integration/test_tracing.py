@@ -25,7 +25,7 @@ from outbox_kit.persistence.tables import (
 )
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
-    UnitOfWorkFactory,
+    SqlUnitOfWorkFactory,
 )
 from outbox_kit.runtime.http import (
     units_of_work,
@@ -147,7 +147,7 @@ def writing_router() -> APIRouter:
     router = APIRouter()
 
     @router.post("/traced/{value}", status_code=201)
-    async def enqueue(value: int, units: Annotated[UnitOfWorkFactory, Depends(units_of_work)]) -> None:
+    async def enqueue(value: int, units: Annotated[SqlUnitOfWorkFactory, Depends(units_of_work)]) -> None:
         async def operation(uow: SqlUnitOfWork) -> None:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value))
 

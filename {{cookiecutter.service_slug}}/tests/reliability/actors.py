@@ -42,7 +42,7 @@ from outbox_kit.processor.cycle import (
     TableSource,
 )
 from outbox_kit.processor.processor import (
-    PollingLoop,
+    Processor,
     SourceSettings,
 )
 from outbox_kit.transports.bus import Delivered
@@ -140,7 +140,7 @@ async def processor(args: argparse.Namespace) -> None:
     )
     wake = WakeSignal()
     await asyncio.sleep(max(0.0, float(args.start_at) - time.time()))  # start together with the others
-    loop = PollingLoop(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
+    loop = Processor(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
     tasks = [asyncio.create_task(loop.run())]
     if args.listen:
         listener = build_listener(container.settings(), wake)

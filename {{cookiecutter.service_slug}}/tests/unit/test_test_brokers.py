@@ -25,7 +25,7 @@ from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
-from outbox_kit.application.context import capture
+from outbox_kit.application.context import capture_context
 from outbox_kit.application.handlers import (
     HandlerRegistry,
 )
@@ -143,7 +143,7 @@ async def in_memory(
 
 def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="globex", user="bob"):
-        context = capture()
+        context = capture_context()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
     return Envelope(
         message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context

@@ -19,8 +19,7 @@ from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from ..about import SERVICE_SLUG
-from ..settings import Settings
-from ..settings import Tracing as TracingChoice
+from ..settings import Settings, TracingBackend
 
 
 def build_signer(settings: Settings) -> Signer:
@@ -61,7 +60,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
 
 
 def build_tracing(settings: Settings) -> Tracing:
-    if settings.telemetry.tracing is TracingChoice.OTEL:
+    if settings.telemetry.tracing is TracingBackend.OTEL:
         return OpenTelemetryTracing(service_name=os.environ.get("OTEL_SERVICE_NAME") or SERVICE_SLUG)
     return NoTracing()
 

@@ -16,7 +16,7 @@ from outbox_kit.operations.retention import RetentionPolicy
 from outbox_kit.persistence.capture import RelayWriter, WakeSignal, notify_channel
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
-from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.commands import CommandDeliverer
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.in_process import LocalDispatcher
@@ -52,7 +52,7 @@ def build_dispatcher(  # noqa: PLR0917 (the container passes providers positiona
     handlers: HandlerRegistry,
     registry: MessageRegistry,
     metrics: RelayMetrics,
-    units: Callable[[], UnitOfWorkFactory],
+    units: Callable[[], SqlUnitOfWorkFactory],
     bus: Callable[[], MessageBus],
 ) -> LocalDispatcher:
     """The in-process dispatcher; it reaches the factory and the bus through their providers

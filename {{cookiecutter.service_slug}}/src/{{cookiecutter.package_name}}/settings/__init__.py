@@ -22,7 +22,7 @@ from .service import (
     Environment,
     LoggingSettings,
     TelemetrySettings,
-    Tracing,
+    TracingBackend,
     WorkerSettings,
 )
 
@@ -42,7 +42,7 @@ __all__ = [
     "OutboxSettings",
     "Settings",
     "TelemetrySettings",
-    "Tracing",
+    "TracingBackend",
     "Transport",
     "WorkerSettings",
 ]

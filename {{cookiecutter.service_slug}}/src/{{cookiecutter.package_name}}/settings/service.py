@@ -87,7 +87,7 @@ class LoggingSettings(BaseModel):
     json_format: bool = False
 
 
-class Tracing(StrEnum):
+class TracingBackend(StrEnum):
     """``none``: no spans (nothing imported); ``otel``: OpenTelemetry, exported over OTLP."""
 
     NONE = "none"
@@ -98,4 +98,4 @@ class TelemetrySettings(BaseModel):
     """Tracing (metrics are always on, at ``/metrics``). The OTLP endpoint, service name and
     sampling come from OpenTelemetry's own ``OTEL_*`` variables."""
 
-    tracing: Tracing = Tracing.NONE
+    tracing: TracingBackend = TracingBackend.NONE

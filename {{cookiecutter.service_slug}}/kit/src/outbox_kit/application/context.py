@@ -186,7 +186,7 @@ def use_context(context: RequestContext) -> Iterator[RequestContext]:
         _current.reset(token)
 
 
-def capture() -> CapturedContext:
+def capture_context() -> CapturedContext:
     """Snapshot the ambient context for persistence (roles flattened and capped); an identity
     over its byte limit is refused (``InvalidContextError``) before any row carries it."""
     context = current_context()

@@ -239,8 +239,7 @@ DEFINITIONS: dict[str, tuple[type[Any], str, str, tuple[str, ...], dict[str, Any
 
 
 class RelayMetrics:
-    """Every metric of the messaging machinery, labelled by ``source`` or ``consumer``; it
-    implements the polling core's ``CycleMetrics``."""
+    """Every metric of the messaging machinery, labelled by ``source`` or ``consumer``."""
 
     pending_depth: Gauge
     oldest_pending_age: Gauge
@@ -263,7 +262,7 @@ class RelayMetrics:
         for attribute, (kind, name, documentation, labels, extra) in DEFINITIONS.items():
             setattr(self, attribute, kind(name, documentation, labels, registry=self.registry, **extra))
 
-    # -- CycleMetrics ----------------------------------------------------------------------
+    # -- RelayMetrics ----------------------------------------------------------------------
 
     def backlog_age(self, source: str, seconds: float) -> None:
         self.oldest_pending_age.labels(source).set(seconds)

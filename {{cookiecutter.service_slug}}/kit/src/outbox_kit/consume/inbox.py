@@ -63,7 +63,7 @@ from outbox_kit.application.timing import Clock
 from outbox_kit.domain.events import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import INBOX_TABLE, InboxMessage
-from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
 
 
@@ -147,7 +147,7 @@ class ConsumePipeline:
     def __init__(
         self,
         *,
-        units: UnitOfWorkFactory,
+        units: SqlUnitOfWorkFactory,
         registry: MessageRegistry,
         signer: Signer,
         inbox_enabled: bool,

@@ -54,7 +54,7 @@ from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.application.timing import time_limit
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
-from outbox_kit.transports.base import Delivery
+from outbox_kit.transports.base import BrokerDelivery
 from outbox_kit.transports.envelope import RejectedMessageError
 from outbox_kit.transports.settings import MessageBusSettings
 
@@ -64,7 +64,7 @@ OUTAGE_MAX_PAUSE_SECONDS = 5.0
 
 
 @asynccontextmanager
-async def keep_alive(delivery: Delivery) -> AsyncIterator[None]:
+async def keep_alive(delivery: BrokerDelivery) -> AsyncIterator[None]:
     """While the block runs, ``touch`` the message so the broker does not hand it to another
     consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``); a no-op where not needed.
 
@@ -104,7 +104,7 @@ async def consume_through_database_outages(
     metrics: RelayMetrics,
     hold_seconds: float,
     consumer: Consumer[Any],
-    delivery: Delivery,
+    delivery: BrokerDelivery,
     *,
     handler_timeout_seconds: float,
 ) -> None:
@@ -160,7 +160,7 @@ class ConsumeWrapper:
         self._metrics = metrics
 
     def handler_for(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401 (what a transport subscribes)
-        async def handle(delivery: Delivery) -> None:
+        async def handle(delivery: BrokerDelivery) -> None:
             attempt: int | None = None
             try:
                 attempt = await delivery.attempt()
@@ -173,7 +173,7 @@ class ConsumeWrapper:
 
         return handle
 
-    async def _handle(self, consumer: Consumer[Any], delivery: Delivery, attempt: int) -> None:
+    async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> None:
         if attempt > self._settings.max_delivery_attempts:
             await delivery.dead_letter(CRASH_GUARD_ERROR, attempt)
             self._metrics.inbox_rejected.labels(consumer.name, "attempts_exhausted").inc()
@@ -201,7 +201,7 @@ class ConsumeWrapper:
         await delivery.ack()
 
     async def _dead_letter_rejected(
-        self, consumer: Consumer[Any], delivery: Delivery, rejected: RejectedMessageError, attempt: int
+        self, consumer: Consumer[Any], delivery: BrokerDelivery, rejected: RejectedMessageError, attempt: int
     ) -> None:
         await delivery.dead_letter(f"rejected: {rejected}", attempt)
         self._metrics.inbox_dead_letters.labels(consumer.name, rejected.reason).inc()
@@ -210,7 +210,13 @@ class ConsumeWrapper:
         )
 
     async def _fail(
-        self, consumer: Consumer[Any], delivery: Delivery, error: Exception, attempt: int, *, reason: str
+        self,
+        consumer: Consumer[Any],
+        delivery: BrokerDelivery,
+        error: Exception,
+        attempt: int,
+        *,
+        reason: str,
     ) -> None:
         """Redeliver while attempts remain; at the limit, dead-letter with the error."""
         limit = self._settings.max_delivery_attempts
@@ -229,7 +235,13 @@ class ConsumeWrapper:
         await delivery.retry(attempt)
 
     async def _dead_letter_failure(
-        self, consumer: Consumer[Any], delivery: Delivery, error: Exception, attempt: int, *, reason: str
+        self,
+        consumer: Consumer[Any],
+        delivery: BrokerDelivery,
+        error: Exception,
+        attempt: int,
+        *,
+        reason: str,
     ) -> None:
         described = f"{type(error).__name__}: {error}"
         await delivery.dead_letter(
@@ -246,7 +258,7 @@ class ConsumeWrapper:
         )
 
     async def _end(
-        self, consumer: Consumer[Any], delivery: Delivery, error: Exception, attempt: int | None
+        self, consumer: Consumer[Any], delivery: BrokerDelivery, error: Exception, attempt: int | None
     ) -> None:
         """End a message the normal path could not: a rejection before the attempt was known, or
         an error the wrapper did not expect (see the module). Never raises. An unknown attempt
@@ -268,7 +280,9 @@ class ConsumeWrapper:
             )
             await self._hand_back(consumer, delivery, attempt)
 
-    async def _hand_back(self, consumer: Consumer[Any], delivery: Delivery, attempt: int | None) -> None:
+    async def _hand_back(
+        self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int | None
+    ) -> None:
         """The transport's retry step, so the message is not left unacknowledged (on RabbitMQ that
         would also hold one of the consumer's prefetch slots for good): it comes back counted,
         and the crash guard dead-letters it once the destination takes copies again. If even this

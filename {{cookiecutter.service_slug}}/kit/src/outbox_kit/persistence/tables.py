@@ -112,7 +112,7 @@ class OutboxMessage(PolledColumns, table=True):
     kind: str = Field(max_length=16)
 
 
-class InternalCommand(PolledColumns, table=True):
+class InternalCommandRow(PolledColumns, table=True):
     """A deferred instruction, run by the internal-command processor when due."""
 
     __tablename__ = "internal_commands"
@@ -124,7 +124,7 @@ class InternalCommand(PolledColumns, table=True):
 # -- the one definition the rest of the service uses ----------------------------------------
 
 OUTBOX_TABLE: sa.Table = OutboxMessage.__table__  # type: ignore[attr-defined]
-COMMAND_TABLE: sa.Table = InternalCommand.__table__  # type: ignore[attr-defined]
+COMMAND_TABLE: sa.Table = InternalCommandRow.__table__  # type: ignore[attr-defined]
 DOMAIN = "domain"  # an outbox row dispatched in-process (a domain event)
 INTEGRATION = "integration"  # an outbox row published through the message bus
 
@@ -173,7 +173,7 @@ class DeadLetterReplay(SQLModel, table=True):
     message_ids: list[str] = Field(sa_type=JSON_TYPE, nullable=False)
 
 
-class IdempotencyKey(SQLModel, table=True):
+class IdempotencyKeyRow(SQLModel, table=True):
     """One create request per ``(tenant, Idempotency-Key)``, written in the transaction that ran
     it, with the answer it got (see ``persistence/idempotency.py``). The primary key is the guard that
     makes a concurrent retry wait for, then repeat, the first answer."""
@@ -191,7 +191,7 @@ class IdempotencyKey(SQLModel, table=True):
 
 
 INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
-IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKey.__table__  # type: ignore[attr-defined]
+IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKeyRow.__table__  # type: ignore[attr-defined]
 
 
 class UnknownSourceError(LookupError):

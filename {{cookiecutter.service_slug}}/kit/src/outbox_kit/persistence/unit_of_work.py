@@ -1,19 +1,4 @@
-"""The SQL unit of work and its factory.
-
-What a unit of work that delivers a message writes besides the handler's effects.
-
-The processed stamp of the row it delivers (guarded by the lease token: if another processor
-took the row, the stamp matches nothing and ``LeaseLostError`` rolls the whole transaction back,
-so a redelivery cannot double an effect), or the inbox row of the message it consumes. Both are
-written in the same transaction as the handler's effects, just before the commit.
-
-What every unit of work of one factory shares, as the unit of work needs it.
-
-A Protocol rather than the factory itself, so the unit of work and the factory that builds it do
-not import each other; and what runs after a commit (the in-process dispatcher, which lives a
-floor above) comes in as :class:`AfterCommit`.
-
-The unit of work: one transaction, and the only place that saves.
+"""The SQL unit of work (one transaction, and the only place that saves) and its factory.
 
 ``commit()`` does, in this order:
 
@@ -21,11 +6,13 @@ The unit of work: one transaction, and the only place that saves.
    integration events and internal commands enqueued on it;
 2. persists the aggregates (a stale version raises ``ConcurrencyError``) and writes one outbox
    row per event in the same transaction, with the request context captured on each row;
-3. applies the token-guarded stamps and the staged inbox row of the delivery it belongs to (if
-   any): a lost lease rolls everything back, so a redelivery cannot double an effect;
+3. applies what a unit of work that delivers a message writes besides the handler's effects: the
+   token-guarded processed stamp of the row it delivers (if another processor took the row, the
+   stamp matches nothing and ``LeaseLostError`` rolls everything back, so a redelivery cannot
+   double an effect), or the inbox row of the message it consumes;
 4. commits, then removes exactly the captured events from the aggregates (events a handler
    raises meanwhile stay pending for the next save) and wakes the processor;
-5. hands the local domain-event rows it leased to the in-process dispatcher (``AfterCommit``).
+5. hands the local domain-event rows it leased to the in-process delivery (:class:`AfterCommit`).
 
 A rollback, whether an exception or an explicit ``rollback()``, drops the rows together with the
 business change and every deferred piece of work. ``run(operation)`` re-runs a whole operation
@@ -38,11 +25,10 @@ writes would land without the stamp (a retry would repeat them) or before the ow
 decided (a rollback could not undo them). While a handler runs, ``commit()`` therefore raises
 :class:`HandlerMustNotSaveError` naming it; the architecture tests prove the same statically.
 
-Creates units of work and holds what they share (built once by the container).
-
-It implements ``Shared`` for its units of work and the contexts' ``UnitOfWorkFactory``
-Protocol for entry points. What runs after a commit comes in as an ``AfterCommit`` (the
-in-process dispatcher), never imported from the floor above."""
+:class:`SqlUnitOfWorkFactory` (built once by the container) creates units of work and holds what
+they share; it is the contexts' ``UnitOfWorkFactory`` for entry points. In-process delivery (the
+processor's, a package above) comes in as :class:`AfterCommit`: the one port here, because the
+delivery opens units of work of its own from this factory."""
 
 from __future__ import annotations
 
@@ -59,7 +45,7 @@ from typing import Any, Protocol, Self, TypeVar
 from sqlalchemy.exc import DBAPIError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from outbox_kit.application.context import capture
+from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand
 from outbox_kit.application.timing import Clock
 from outbox_kit.application.unit_of_work import Adapter
@@ -69,6 +55,7 @@ from outbox_kit.persistence import repository as savepoints
 from outbox_kit.persistence.capture import Capture, RelayWriter, WrittenRow
 from outbox_kit.persistence.database import Database, is_transient, refuse_commit_in_handler
 from outbox_kit.persistence.leases import LeaseLostError, LeaseStore
+from outbox_kit.persistence.repository import Repository
 from outbox_kit.persistence.tables import InboxMessage
 
 
@@ -114,23 +101,6 @@ class AfterCommit(Protocol):
         ...
 
 
-class Shared(Protocol):
-    """The factory's resources, one set for every unit of work it gives."""
-
-    database: Database
-    writer: RelayWriter
-    after_commit: AfterCommit
-    clock: Clock
-    wake: Callable[[], None]
-    outbox_enabled: bool
-    adapters: Mapping[type[Any], Adapter]
-    transient_retry_attempts: int
-
-    async def transient_pause(self, attempt: int, error: DBAPIError) -> None:
-        """Wait before re-running an operation that hit a transient database error."""
-        ...
-
-
 T = TypeVar("T")
 P = TypeVar("P")
 
@@ -139,19 +109,11 @@ class UnitOfWorkStateError(RuntimeError):
     """The unit of work was used outside ``async with`` or after it finished."""
 
 
-class Persister(Protocol):
-    """What the unit of work asks of a repository at commit."""
-
-    async def persist(self, aggregate: Any) -> int:  # noqa: ANN401 (the repository's aggregate)
-        """Write the aggregate's state; return its new version."""
-        ...
-
-
 @dataclass(frozen=True)
 class _Captured:
     """The aggregates' pending events as the commit saw them (removed only after it)."""
 
-    aggregates: list[tuple[AggregateRoot, Persister, tuple[DomainEvent, ...]]]
+    aggregates: list[tuple[AggregateRoot, Repository[Any], tuple[DomainEvent, ...]]]
 
     @property
     def events(self) -> list[DomainEvent]:
@@ -184,14 +146,14 @@ class SqlUnitOfWork:
     delivery machinery uses: the session, processed stamps and the inbox row.
     """
 
-    def __init__(self, shared: Shared, *, depth: int = 0) -> None:
-        self._shared = shared
+    def __init__(self, factory: SqlUnitOfWorkFactory, *, depth: int = 0) -> None:
+        self._factory = factory
         self.depth = depth
         self._session: AsyncSession | None = None
         self._reset()
 
     def _reset(self) -> None:
-        self._tracked: list[tuple[AggregateRoot, Persister]] = []
+        self._tracked: list[tuple[AggregateRoot, Repository[Any]]] = []
         self._repositories: dict[type[Any], Any] = {}
         self._integration_events: list[IntegrationEvent] = []
         self._commands: list[tuple[InternalCommand, datetime | None]] = []
@@ -206,7 +168,7 @@ class SqlUnitOfWork:
             msg = "this unit of work is already open"
             raise UnitOfWorkStateError(msg)
         self._reset()
-        self._session = self._shared.database.sessions()
+        self._session = self._factory.database.sessions()
         return self
 
     async def __aexit__(
@@ -230,11 +192,11 @@ class SqlUnitOfWork:
 
     @property
     def now(self) -> datetime:
-        return self._shared.clock()
+        return self._factory.clock()
 
     async def run(self, operation: Callable[[Self], Awaitable[T]]) -> T:
         """Run ``operation`` and commit, re-running all of it on a transient database error."""
-        attempts = self._shared.transient_retry_attempts
+        attempts = self._factory.transient_retry_attempts
         for attempt in range(1, attempts + 1):
             try:
                 async with self:
@@ -245,7 +207,7 @@ class SqlUnitOfWork:
             except DBAPIError as error:
                 if attempt == attempts or not is_transient(error):
                     raise
-                await self._shared.transient_pause(attempt, error)
+                await self._factory.transient_pause(attempt, error)
         msg = "unreachable"
         raise AssertionError(msg)
 
@@ -259,12 +221,12 @@ class SqlUnitOfWork:
         """
         repository = self._repositories.get(port)
         if repository is None:
-            adapter = self._shared.adapters.get(port, port)
+            adapter = self._factory.adapters.get(port, port)
             repository = adapter(self)
             self._repositories[port] = repository
         return repository  # type: ignore[no-any-return]
 
-    def track(self, aggregate: AggregateRoot, repository: Persister) -> None:
+    def track(self, aggregate: AggregateRoot, repository: Repository[Any]) -> None:
         """Remember an aggregate so its events are captured at commit (repositories call it)."""
         if not any(seen is aggregate for seen, _ in self._tracked):
             self._tracked.append((aggregate, repository))
@@ -349,26 +311,26 @@ class SqlUnitOfWork:
 
     async def _write_rows(self, captured: _Captured) -> tuple[Capture, list[WrittenRow]]:
         """One outbox row per event and one row per command, in this transaction."""
-        enabled = self._shared.outbox_enabled
-        outbox = self._shared.writer.stage(
+        enabled = self._factory.outbox_enabled
+        outbox = self._factory.writer.stage(
             events=captured.events if enabled else [],
             integration_events=self._integration_events if enabled else [],
             commands=self._commands,
-            context=capture(),
+            context=capture_context(),
             now=self.now,
         )
-        return outbox, await self._shared.writer.write(self.session, outbox)
+        return outbox, await self._factory.writer.write(self.session, outbox)
 
     async def _after_commit(self, captured: _Captured, outbox: Capture, written: list[WrittenRow]) -> None:
         integration_events = list(self._integration_events)
         self._integration_events.clear()
         self._commands.clear()
         if outbox.needs_wake:
-            self._shared.wake()
-        if self._shared.outbox_enabled:
-            await self._shared.after_commit.dispatch_committed(written, depth=self.depth)
+            self._factory.wake()
+        if self._factory.outbox_enabled:
+            await self._factory.after_commit.dispatch_committed(written, depth=self.depth)
         else:
-            await self._shared.after_commit.dispatch_without_outbox(
+            await self._factory.after_commit.dispatch_without_outbox(
                 captured.events, integration_events, depth=self.depth
             )
 
@@ -376,7 +338,7 @@ class SqlUnitOfWork:
 log = logging.getLogger(__name__)
 
 
-class UnitOfWorkFactory:
+class SqlUnitOfWorkFactory:
     """``factory()`` gives a new, unopened unit of work."""
 
     def __init__(

@@ -18,7 +18,7 @@ from outbox_kit.application.timing import TimeLimit
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.leases import LeaseStore
 from outbox_kit.persistence.tables import COMMAND_TABLE
-from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.transports.bus import Delivered
 
@@ -33,7 +33,7 @@ class CommandDeliverer:
     """Runs one internal command in its own unit of work."""
 
     def __init__(
-        self, *, registry: MessageRegistry, handlers: HandlerRegistry, units: UnitOfWorkFactory
+        self, *, registry: MessageRegistry, handlers: HandlerRegistry, units: SqlUnitOfWorkFactory
     ) -> None:
         self._registry = registry
         self._handlers = handlers

@@ -37,13 +37,13 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_kit.application.observability import AttributeValue, NoTracing, Span, Tracing
+from outbox_kit.application.observability import AttributeValue, NoTracing, RelayMetrics, Span, Tracing
 from outbox_kit.application.timing import Clock, time_limit
 from outbox_kit.persistence.database import Database, is_database_outage
 from outbox_kit.persistence.leases import LeaseLostError, LeaseStore, lease_until
 from outbox_kit.processor.claim import ClaimedRow, Claimer, DeliverySlot
 from outbox_kit.processor.outcomes import Outcomes
-from outbox_kit.processor.processor import CycleMetrics, CycleResult, Deliverer, SourceSettings
+from outbox_kit.processor.processor import CycleResult, Deliverer, SourceSettings
 from outbox_kit.transports.bus import Delivered, PausedError
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,7 @@ class TableSource:
         deliverer: Deliverer,
         clock: Clock,
         instance_id: str,
-        metrics: CycleMetrics,
+        metrics: RelayMetrics,
         rng: random.Random | None = None,
         tracing: Tracing | None = None,
     ) -> None:

@@ -59,8 +59,7 @@ from outbox_kit.persistence.capture import WrittenRow, wake_replicas
 from outbox_kit.persistence.database import Database, handler_scope
 from outbox_kit.persistence.leases import CASCADE_DEPTH_EXCEEDED, LeaseLostError, LeaseStore
 from outbox_kit.persistence.tables import OUTBOX_TABLE
-from outbox_kit.persistence.unit_of_work import UnitOfWorkFactory
-from outbox_kit.processor.processor import CycleMetrics
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 
 if TYPE_CHECKING:
     import uuid
@@ -82,7 +81,7 @@ async def dead_letter_cascade(
     store: LeaseStore,
     rows: Sequence[WrittenRow],
     max_depth: int,
-    metrics: CycleMetrics | None,
+    metrics: RelayMetrics | None,
 ) -> None:
     names = ", ".join(sorted({row.message.message_name for row in rows}))
     error = CascadeDepthError(
@@ -118,7 +117,7 @@ class InProcessRowLeases:
     def __init__(
         self,
         *,
-        units: Callable[[], UnitOfWorkFactory],
+        units: Callable[[], SqlUnitOfWorkFactory],
         lease_seconds: float,
         notify_channel: str,
         shutdown_timeout_seconds: float,
@@ -193,7 +192,7 @@ class LocalDispatcher:
         self,
         handlers: HandlerRegistry,
         *,
-        units: Callable[[], UnitOfWorkFactory],
+        units: Callable[[], SqlUnitOfWorkFactory],
         max_cascade_depth: int,
         lease_seconds: float,
         delivery_timeout_seconds: float,
@@ -216,7 +215,7 @@ class LocalDispatcher:
         self._publish_direct = publish_direct
 
     @property
-    def factory(self) -> UnitOfWorkFactory:
+    def factory(self) -> SqlUnitOfWorkFactory:
         return self._units()
 
     async def deliver(

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from outbox_kit.application.messages import MalformedPayloadError, UnknownMessageError
+from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.application.text import describe
 from outbox_kit.application.timing import Clock
 from outbox_kit.persistence.database import Database, is_database_outage
@@ -72,7 +73,7 @@ from outbox_kit.persistence.leases import (
     backoff_seconds,
 )
 from outbox_kit.processor.claim import ClaimedRow
-from outbox_kit.processor.processor import CycleMetrics, SourceSettings
+from outbox_kit.processor.processor import SourceSettings
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class Outcomes:
         database: Database,
         leases: LeaseStore,
         clock: Clock,
-        metrics: CycleMetrics,
+        metrics: RelayMetrics,
         rng: random.Random,
     ) -> None:
         self._name = name

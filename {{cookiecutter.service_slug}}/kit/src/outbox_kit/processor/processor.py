@@ -1,7 +1,7 @@
 """What the polling core asks of the tables it drains, as Protocols: it knows no outbox.
 
 The outbox and the internal-command processors differ only in their :class:`Deliverer`; the
-metrics come in as :class:`CycleMetrics`. What a delivery can end in is in ``outcomes``.
+metrics are the relay's (:class:`RelayMetrics`). What a delivery can end in is in ``outcomes``.
 
 The polling core shared by the outbox and internal-command processors (one loop, two tables).
 
@@ -61,34 +61,6 @@ class Deliverer(Protocol):
         ...
 
 
-class CycleMetrics(Protocol):
-    """What a polling cycle reports, per source (``outbox``, ``internal_commands``)."""
-
-    def backlog_age(self, source: str, seconds: float) -> None:
-        """The age of the oldest row the last claim found (0 when none)."""
-        ...
-
-    def delivered(self, source: str, kind: str, lag_seconds: float) -> None:
-        """One row delivered, ``lag_seconds`` after it occurred."""
-        ...
-
-    def failed(self, source: str) -> None:
-        """One failed attempt recorded (a retry charged)."""
-        ...
-
-    def dead_lettered(self, source: str, reason: str, count: int = 1) -> None:
-        """Rows set aside as dead letters, by reason."""
-        ...
-
-    def lost_lease(self, source: str) -> None:
-        """A row another processor had taken over by the time its outcome was written."""
-        ...
-
-    def beat(self, source: str, now: datetime) -> None:
-        """A cycle finished (the heartbeat ``/livez`` and the alerts watch)."""
-        ...
-
-
 @dataclass(frozen=True)
 class SourceSettings:
     """The knobs of one polled table (the ``OUTBOX__*`` settings)."""
@@ -143,7 +115,7 @@ class PolledSource(Protocol):
         ...
 
 
-class PollingLoop:
+class Processor:
     """Runs cycles of one source until cancelled."""
 
     def __init__(

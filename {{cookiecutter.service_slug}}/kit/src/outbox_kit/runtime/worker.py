@@ -22,7 +22,7 @@ from outbox_kit.persistence.capture import WakeSignal
 from outbox_kit.persistence.database import Database
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.listener import PostgresListener
-from outbox_kit.processor.processor import PollingLoop
+from outbox_kit.processor.processor import Processor
 from outbox_kit.transports.bus import MessageBus
 
 log = logging.getLogger(__name__)
@@ -65,8 +65,8 @@ class Worker:
         self._liveness_timeout = liveness_timeout_seconds
         self._loops: list[asyncio.Task[None]] = []
         self._others: list[asyncio.Task[None]] = []
-        self.polling_loops: list[PollingLoop] = []
-        self._turning: list[tuple[PollingLoop, asyncio.Task[None]]] = []
+        self.polling_loops: list[Processor] = []
+        self._turning: list[tuple[Processor, asyncio.Task[None]]] = []
 
     def _spawn(
         self, coroutine: Coroutine[Any, Any, None], name: str, group: list[asyncio.Task[None]]
@@ -82,7 +82,7 @@ class Worker:
 
     async def start(self) -> None:
         for source in self._sources:
-            loop = PollingLoop(
+            loop = Processor(
                 source,
                 wake=self._wake.subscribe(),
                 interval_seconds=self._interval,

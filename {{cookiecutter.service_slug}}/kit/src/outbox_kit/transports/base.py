@@ -42,7 +42,7 @@ from faststream import BaseMiddleware
 from outbox_kit.transports.headers import message_id_of
 
 
-class Delivery(Protocol):
+class BrokerDelivery(Protocol):
     """One received message, with the transport's ack / retry / dead-letter steps."""
 
     body: bytes
@@ -77,7 +77,7 @@ class Delivery(Protocol):
         ...
 
 
-DeliveryHandler = Callable[[Delivery], Awaitable[None]]
+DeliveryHandler = Callable[[BrokerDelivery], Awaitable[None]]
 
 
 @dataclass(frozen=True)

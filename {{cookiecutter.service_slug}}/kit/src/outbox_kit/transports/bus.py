@@ -38,7 +38,7 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import Protocol, TypeVar
 
-from outbox_kit.application.context import capture
+from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.timing import Clock
 from outbox_kit.domain.events import utc_now
@@ -162,7 +162,7 @@ class DirectPublisher:
             event_name=event.message_name,
             occurred_on=getattr(event, "occurred_on", None) or utc_now(),
             body=json.dumps(self._registry.dump(event), separators=(",", ":")).encode(),
-            context=capture(),
+            context=capture_context(),
             ordering_key=event.ordering_key(),
         )
         await self._bus().publish(envelope)
