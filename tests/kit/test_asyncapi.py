@@ -8,9 +8,9 @@ import json
 import pytest
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.public import IntegrationEvent
 from outbox_kit.transports.asyncapi import asyncapi_document, public_server
 from outbox_kit.transports.settings import MessageBusSettings
-from outbox_kit.public import IntegrationEvent
 
 pytestmark = pytest.mark.unit
 

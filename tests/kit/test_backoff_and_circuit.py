@@ -4,9 +4,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from outbox_kit.transports.bus import CircuitBreaker
-from outbox_kit.transports.bus import BrokerUnavailableError, CircuitOpenError
-from outbox_kit.persistence.leases import backoff_seconds
+from outbox_kit.persistence.tables import backoff_seconds
+from outbox_kit.transports.bus import BrokerUnavailableError, CircuitBreaker, CircuitOpenError
 
 pytestmark = pytest.mark.unit
 

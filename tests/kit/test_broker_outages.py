@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
 from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.transports.settings import EndpointNames
 from outbox_kit.transports.rabbit import RabbitTransport
-from outbox_kit.transports.settings import MessageBusSettings
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 pytestmark = pytest.mark.unit
 

@@ -1,13 +1,21 @@
 """Request context: validation, role flattening, capture and restore."""
 
 import pytest
-from outbox_kit.application.context import MAX_TENANT_BYTES, MAX_USER_BYTES, InvalidContextError, validate_correlation_id
-from outbox_kit.application.context import capture_context, restored
-from outbox_kit.application.context import RequestContext, current_context, use_context
-from outbox_kit.application.context import MAX_ROLES_BYTES, flatten_roles
+from outbox_kit.application.context import (
+    MAX_ROLES_BYTES,
+    MAX_TENANT_BYTES,
+    MAX_USER_BYTES,
+    InvalidContextError,
+    RequestContext,
+    capture_context,
+    current_context,
+    flatten_roles,
+    restored,
+    use_context,
+    validate_correlation_id,
+)
+from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE, InboxMessage
 from outbox_kit.transports.envelope import LIMITS, TENANT_ID, USER_ID, USER_ROLES
-from outbox_kit.persistence.tables import InboxMessage
-from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
 
 pytestmark = pytest.mark.unit
 

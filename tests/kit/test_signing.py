@@ -4,11 +4,14 @@ from datetime import UTC, datetime
 
 import pytest
 from outbox_kit.application.context import CapturedContext
-from outbox_kit.transports.envelope import Envelope
-from outbox_kit.transports.envelope import SIGNATURE, TENANT_ID
-from outbox_kit.transports.envelope import read_envelope
-from outbox_kit.transports.envelope import RejectedMessageError
-from outbox_kit.transports.envelope import Signer
+from outbox_kit.transports.envelope import (
+    SIGNATURE,
+    TENANT_ID,
+    Envelope,
+    RejectedMessageError,
+    Signer,
+    read_envelope,
+)
 
 pytestmark = pytest.mark.unit
 BODY = b'{"order_id": "o-1"}'

@@ -39,9 +39,7 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from outbox_kit.application.handlers import (
-    Consumer,
-)
+from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )

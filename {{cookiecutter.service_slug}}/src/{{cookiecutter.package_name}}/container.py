@@ -15,16 +15,13 @@ from typing import Any
 
 from dependency_injector import containers, providers
 from outbox_kit.application.handlers import collect_adapters
-from outbox_kit.application.observability import RelayMetrics
-from outbox_kit.application.timing import system_clock
+from outbox_kit.application.observability import RelayMetrics, system_clock
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.retention import RetentionCleaner
-from outbox_kit.persistence.capture import WakeSignal, notify_channel
 from outbox_kit.persistence.database import Database
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
-from outbox_kit.processor.commands import CommandDeliverer
-from outbox_kit.processor.outbox import OutboxDeliverer
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory, WakeSignal, notify_channel
+from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.runtime.worker import Worker
 from outbox_kit.transports.bus import CircuitBreaker
 

@@ -1,6 +1,6 @@
 """Fitness rules of the outbox and the inbox, checked over the service's source.
 
-* Only the outbox processor publishes: no code outside the kit's ``processor/outbox.py``,
+* Only the outbox processor publishes: no code outside the kit's ``processor/deliverers.py``,
   the buses it publishes through and the transports themselves (dead-letter copies included;
   ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
   only the transports import a broker client library, so every integration event leaves
@@ -53,11 +53,7 @@ from outbox_kit.domain import (
     DomainEvent,
     validate_event_name,
 )
-
-from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
-from {{ cookiecutter.package_name }}.container import Container
-
-from .callgraph import (
+from outbox_kit.testing import (
     CallGraph,
     ClassRef,
     FunctionSource,
@@ -68,6 +64,9 @@ from .callgraph import (
     type_name,
 )
 
+from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
+from {{ cookiecutter.package_name }}.container import Container
+
 pytestmark = pytest.mark.architecture
 
 PACKAGE = Container.__module__.partition(".")[0]
@@ -76,10 +75,9 @@ PUBLISH = frozenset({"publish", "publish_batch"})
 SUBSCRIBE = frozenset({"subscriber", "subscribe"})
 # Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
 MAY_PUBLISH = (
-    "outbox_kit/processor/outbox.py",  # the outbox processor's deliverer: the one publisher
+    "outbox_kit/processor/deliverers.py",  # the outbox processor's deliverer: the one publisher
     "outbox_kit/transports/bus.py",  # the MessageBus port; outbox off, in-process only (brokers refuse it)
     "outbox_kit/consume/bus.py",  # the buses the processor publishes through (FastStream, in-process)
-    "outbox_kit/transports/headers.py",  # dead-letter copies
     *(f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")),
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
@@ -88,7 +86,7 @@ BROKER_CLIENTS = frozenset(
     {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
 )
 MAY_IMPORT_BROKER_CLIENTS = tuple(
-    f"outbox_kit/transports/{broker}.py" for broker in ("base", "headers", "rabbit", "kafka", "nats", "redis")
+    f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")
 )
 MAY_SUBSCRIBE = ("outbox_kit/consume/", *MAY_IMPORT_BROKER_CLIENTS)
 CALLS_CONSUMER_HANDLERS = ("outbox_kit/consume/inbox.py",)
@@ -261,7 +259,7 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
 def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> None:
     publishers = {site.path for site in attribute_sites(graph, PUBLISH, called=True)}
 
-    assert "outbox_kit/processor/outbox.py" in publishers
+    assert "outbox_kit/processor/deliverers.py" in publishers
 
 
 # -- integration events: stable, versioned, unique names --------------------------------------

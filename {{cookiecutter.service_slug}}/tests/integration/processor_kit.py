@@ -11,8 +11,8 @@ from typing import Any
 import sqlalchemy as sa
 from outbox_kit.application.observability import (
     SpanKind,
+    TimeLimit,
 )
-from outbox_kit.application.timing import TimeLimit
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,

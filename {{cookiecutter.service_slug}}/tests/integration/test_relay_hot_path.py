@@ -22,8 +22,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.leases import LeaseStore
-from outbox_kit.persistence.tables import OUTBOX_TABLE
+from outbox_kit.persistence.tables import OUTBOX_TABLE, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import CycleResult, Processor

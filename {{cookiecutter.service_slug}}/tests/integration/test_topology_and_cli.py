@@ -22,14 +22,14 @@ import sqlalchemy as sa
 from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from outbox_kit.persistence.capture import (
-    WakeSignal,
-    notify_channel,
-)
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.processor.listener import PostgresListener
+from outbox_kit.persistence.unit_of_work import (
+    WakeSignal,
+    notify_channel,
+)
+from outbox_kit.processor.processor import PostgresListener
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 

@@ -22,9 +22,6 @@ from outbox_kit.domain import (
     DomainError,
     NotFoundError,
 )
-from outbox_kit.persistence.capture import (
-    RelayWriter,
-)
 from outbox_kit.persistence.database import (
     Database,
     HandlerMustNotSaveError,
@@ -34,7 +31,10 @@ from outbox_kit.persistence.tables import (
     InternalCommandRow,
     OutboxMessage,
 )
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
+from outbox_kit.persistence.unit_of_work import (
+    RelayWriter,
+    SqlUnitOfWork,
+)
 from outbox_kit.processor.claim import (
     Claimer,
 )

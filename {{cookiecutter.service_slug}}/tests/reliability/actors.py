@@ -23,19 +23,15 @@ from outbox_kit.application.context import (
 )
 from outbox_kit.application.observability import (
     SpanKind,
-)
-from outbox_kit.application.timing import (
     TimeLimit,
     system_clock,
-)
-from outbox_kit.persistence.capture import (
-    WakeSignal,
 )
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
+    WakeSignal,
 )
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import (

@@ -38,7 +38,7 @@ from outbox_kit.application.context import (
     current_context,
     use_context,
 )
-from outbox_kit.application.timing import TimeLimit
+from outbox_kit.application.observability import TimeLimit
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )

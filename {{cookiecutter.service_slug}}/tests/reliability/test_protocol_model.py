@@ -109,17 +109,14 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from outbox_kit.application.handlers import (
-    Consumer,
-    Handler,
-)
+from outbox_kit.application.handlers import Consumer, Handler
 from outbox_kit.application.messages import (
     IntegrationEvent,
 )
 from outbox_kit.application.observability import (
     SpanKind,
+    TimeLimit,
 )
-from outbox_kit.application.timing import TimeLimit
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
@@ -141,7 +138,7 @@ from outbox_kit.processor.claim import (
 from outbox_kit.processor.cycle import (
     TableSource,
 )
-from outbox_kit.processor.outbox import (
+from outbox_kit.processor.deliverers import (
     OutboxDeliverer,
 )
 from outbox_kit.processor.processor import (

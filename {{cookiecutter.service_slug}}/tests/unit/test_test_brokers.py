@@ -26,17 +26,15 @@ from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
 from outbox_kit.application.context import capture_context
-from outbox_kit.application.handlers import (
-    HandlerRegistry,
-)
+from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import (
     MessageRegistry,
 )
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.transports.base import undecoded_body
 from outbox_kit.transports.envelope import Envelope, Signer
-from outbox_kit.transports.headers import undecoded_body
 from outbox_kit.transports.kafka import (
     ATTEMPT,
     NOT_BEFORE,

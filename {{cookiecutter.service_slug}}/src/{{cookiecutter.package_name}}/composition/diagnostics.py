@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from outbox_kit.persistence.capture import RelayWriter
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory
 
 from ..settings import Settings
 

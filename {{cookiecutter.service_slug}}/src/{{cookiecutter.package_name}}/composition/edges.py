@@ -7,12 +7,11 @@ from datetime import timedelta
 
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.application.observability import NoTracing, RelayMetrics, Tracing
+from outbox_kit.application.observability import NoTracing, RelayMetrics, Tracing, system_clock
 from outbox_kit.application.otel import OpenTelemetryTracing
-from outbox_kit.application.timing import system_clock
 from outbox_kit.consume.bus import InProcessBus
 from outbox_kit.consume.inbox import ConsumePipeline
-from outbox_kit.runtime.auth import TokenService
+from outbox_kit.runtime.http import TokenService
 from outbox_kit.transports.bus import MessageBus
 from outbox_kit.transports.envelope import Signer
 from prometheus_fastapi_instrumentator import Instrumentator

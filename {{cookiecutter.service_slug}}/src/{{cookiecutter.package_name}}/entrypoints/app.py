@@ -7,12 +7,12 @@ asked (``run``), starts the worker in the same process. ``create_worker_app`` is
 """
 
 from fastapi import FastAPI
+from outbox_kit.runtime.admin_api import build_admin_router
 from outbox_kit.runtime.errors import error_responses, install_error_handlers
 from outbox_kit.runtime.http import RequestContextMiddleware, RequestEdgeMiddleware, trace_requests
 
 from ..about import DESCRIPTION, SERVICE_NAME
 from ..container import Container
-from .admin_api import build_admin_router
 from .health import add_asyncapi_route, add_probe_routes
 from .lifespan import lifespan
 

@@ -16,9 +16,9 @@ import logging
 import sys
 
 from outbox_kit.application.text import CredentialMaskingFilter
+from outbox_kit.runtime.log_formats import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 
 from ..settings import LoggingSettings
-from .log_formats import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 
 
 def configure_logging(settings: LoggingSettings) -> None:

@@ -6,6 +6,8 @@ name is re-exported here, so ``from <package>.settings import ...`` is the impor
 """
 
 from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.runtime.server import ApiSettings
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
@@ -14,10 +16,8 @@ from outbox_kit.transports.settings import (
 )
 
 from .auth import DEV_JWT_SECRET, MIN_JWT_SECRET_BYTES, AuthSettings
-from .relay import InboxSettings, OutboxSettings
 from .root import Settings
 from .service import (
-    ApiSettings,
     ApplicationSettings,
     Environment,
     LoggingSettings,

@@ -15,6 +15,8 @@ import math
 from typing import Self
 
 from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.runtime.server import ApiSettings
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
@@ -24,9 +26,7 @@ from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .auth import AuthSettings
-from .relay import InboxSettings, OutboxSettings
 from .service import (
-    ApiSettings,
     ApplicationSettings,
     Environment,
     LoggingSettings,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand, Upcaster
 from outbox_kit.application.unit_of_work import Adapter, UnitOfWork
-from outbox_kit.domain.events import DomainEvent, Message
+from outbox_kit.domain import DomainEvent, Message
 
 if TYPE_CHECKING:
     from fastapi import APIRouter  # an external type only: no import cycle to break

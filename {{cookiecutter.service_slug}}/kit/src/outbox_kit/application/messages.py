@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from outbox_kit.domain.events import Message, check_ordering_key, utc_now
+from outbox_kit.domain import Message, check_ordering_key, utc_now
 
 
 class _ModelMessage(Message, BaseModel):

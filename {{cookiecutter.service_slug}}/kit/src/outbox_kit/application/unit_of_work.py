@@ -22,7 +22,7 @@ from typing import Any, Protocol, Self, TypeVar
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand
-from outbox_kit.domain.aggregate import AggregateRoot
+from outbox_kit.domain import AggregateRoot
 
 P = TypeVar("P")
 T = TypeVar("T")

@@ -22,8 +22,8 @@ Publishing is what the outbox processor calls; it returns only when the broker h
 accepted the message (RabbitMQ: persistent + confirmed + mandatory; NATS: JetStream ack; Redis:
 XADD reply; Kafka: ``acks=all``).
 
-Consuming goes through one wrapper per message (``consume``); holding a message through a
-database outage and keeping it alive at the broker is ``holding``'s."""
+Consuming goes through one wrapper per message (``subscribers``); holding a message through a
+database outage and keeping it alive at the broker is ``subscribers``' too."""
 
 from __future__ import annotations
 
@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import MessageRegistry, UnknownMessageError
-from outbox_kit.application.observability import RelayMetrics
-from outbox_kit.application.timing import time_limit
+from outbox_kit.application.observability import RelayMetrics, time_limit
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.persistence.database import is_database_outage

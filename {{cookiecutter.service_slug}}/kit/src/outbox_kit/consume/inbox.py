@@ -58,9 +58,8 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from outbox_kit.application.context import current_context, restored
 from outbox_kit.application.handlers import Consumer, handler_name
 from outbox_kit.application.messages import MalformedPayloadError, MessageRegistry, UnknownMessageError
-from outbox_kit.application.observability import NoTracing, RelayMetrics, SpanKind, Tracing
-from outbox_kit.application.timing import Clock
-from outbox_kit.domain.events import Message
+from outbox_kit.application.observability import Clock, NoTracing, RelayMetrics, SpanKind, Tracing
+from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import INBOX_TABLE, InboxMessage
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory

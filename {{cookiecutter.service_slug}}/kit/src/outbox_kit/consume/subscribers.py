@@ -18,9 +18,9 @@ handler runs):
 * a message that cannot be trusted or read (bad/missing signature, malformed or oversized header,
   unknown event) is dead-lettered with the reason at once and never retried;
 * a duplicate is acknowledged and skipped (the inbox said so);
-* a handler failure (a run past ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` is one, see ``holding``)
-  is retried by the broker (the transport's retry step, with a delay) until
-  ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
+* a handler failure (a run past ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` is one, see
+  ``consume_through_database_outages``) is retried by the broker (the transport's retry step,
+  with a delay) until ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
   destination with ``x-error`` and ``x-attempts`` and acknowledged: never lost, never looping;
 * a failure because the database is unreachable is not the message's fault: the message is held
   and run again, uncharged, for up to ``MESSAGE_BUS__DATABASE_OUTAGE_HOLD_SECONDS``;
@@ -50,8 +50,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from outbox_kit.application.handlers import Consumer
-from outbox_kit.application.observability import RelayMetrics
-from outbox_kit.application.timing import time_limit
+from outbox_kit.application.observability import RelayMetrics, time_limit
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerDelivery

@@ -2,7 +2,7 @@
 pending rows, explain one row.
 
 Exposed by the admin API and the CLI, always within a tenant scope, with readable errors for what
-an operator can fix (``requests``); what they show never includes a payload (``views``); why a
+an operator can fix (``requests``); what they show never includes a payload (``requests``); why a
 row is or is not moving is ``explain``'s.
 
 Replay returns dead letters to the pending pool with ``retry_count = 0`` and the lease cleared,
@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 
-from outbox_kit.application.timing import Clock
+from outbox_kit.application.observability import Clock
 from outbox_kit.operations.requests import (
     EVERY_TENANT,
     MAX_OFFSET,
@@ -32,9 +32,9 @@ from outbox_kit.operations.requests import (
     sources_named,
 )
 from outbox_kit.operations.rows import explain_row, refuse_unless_replayable, return_to_pending
-from outbox_kit.persistence.capture import wake_replicas
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import DeadLetterReplay
+from outbox_kit.persistence.unit_of_work import wake_replicas
 
 
 class RelayAdministration:

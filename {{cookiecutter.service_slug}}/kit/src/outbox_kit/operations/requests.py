@@ -12,7 +12,7 @@ What an operator's request may touch, and the mistakes it can make.
 
 A request an operator can fix (an unknown source or id, paging out of range) raises
 :class:`AdminError` with a readable message; an id that names no row raises
-:class:`RowNotFoundError` (404). Whose rows a request sees is its ``tenant_scope``."""
+:class:`RowNotFoundError` (404). Whose rows a request sees is its :class:`TenantScope`."""
 
 from __future__ import annotations
 

@@ -18,13 +18,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Self
 
 import sqlalchemy as sa
 
-from outbox_kit.application.observability import RelayMetrics
-from outbox_kit.application.timing import Clock
+from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE, POLLED_TABLES
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 
 log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE
@@ -38,6 +39,17 @@ class RetentionPolicy:
     inbox_retention_days: int
     batch_size: int
     idempotency_key_hours: float  # 0 keeps idempotency keys for ever
+
+    @classmethod
+    def of(cls, outbox: OutboxSettings, inbox: InboxSettings, *, idempotency_key_hours: float) -> Self:
+        """The policy from ``OUTBOX__*`` and ``INBOX__*`` (and ``API__IDEMPOTENCY_KEY_RETENTION_HOURS``)."""
+        return cls(
+            retention_days=outbox.retention_days,
+            dead_letter_days=outbox.dead_letter_window_days,
+            inbox_retention_days=inbox.retention_days,
+            idempotency_key_hours=idempotency_key_hours,
+            batch_size=outbox.cleanup_batch_size,
+        )
 
 
 class RetentionCleaner:

@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from outbox_kit.application.timing import Clock
+from outbox_kit.application.observability import Clock
 from outbox_kit.operations.requests import (
     EVERY_TENANT,
     AdminError,
@@ -33,8 +33,7 @@ from outbox_kit.operations.requests import (
     parse_ids,
 )
 from outbox_kit.persistence.database import Database
-from outbox_kit.persistence.leases import PAUSED_PREFIX
-from outbox_kit.persistence.tables import PolledTable
+from outbox_kit.persistence.tables import PAUSED_PREFIX, PolledTable
 from outbox_kit.processor.claim import replay_gate
 
 

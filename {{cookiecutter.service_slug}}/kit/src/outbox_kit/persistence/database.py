@@ -3,7 +3,7 @@ is told apart (transient, outage, timeout).
 
 A transient database error (deadlock, serialization failure, a busy SQLite) re-runs the whole
 operation: a second attempt may not meet the same conflict. Outages are told apart in
-``outages``.
+the outage checks below.
 
 An outage (the database unreachable, the connection gone) says nothing about the data: it is
 never charged to a message, and the operation succeeds once the database is back.

@@ -38,7 +38,7 @@ from outbox_kit.application.unit_of_work import (
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from outbox_kit.domain.errors import DomainError
+from outbox_kit.domain import DomainError
 from outbox_kit.persistence.tables import IDEMPOTENCY_KEYS_TABLE, upsert
 
 KEYS = IDEMPOTENCY_KEYS_TABLE

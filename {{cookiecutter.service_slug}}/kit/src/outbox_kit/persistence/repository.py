@@ -26,8 +26,7 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.context import current_context
 from outbox_kit.application.unit_of_work import AdapterScope
-from outbox_kit.domain.aggregate import AggregateRoot
-from outbox_kit.domain.errors import ConcurrencyError, NotFoundError
+from outbox_kit.domain import AggregateRoot, ConcurrencyError, NotFoundError
 
 
 @dataclass(frozen=True)

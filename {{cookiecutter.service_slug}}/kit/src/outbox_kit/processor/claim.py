@@ -5,9 +5,9 @@ A row as the claim returns it: leased to this processor for one delivery attempt
 A delivery slot: one of ``delivery_concurrency`` publishes (or handler runs) in flight.
 
 A row gives its slot back as soon as its delivery ended, before its stamp is written: the stamp
-waits for its group (``stamps``), and a slot held through that wait would idle the broker.
+waits for its group (``outcomes``), and a slot held through that wait would idle the broker.
 
-The parts the claim statement is built from (see ``claim`` for why it is one statement).
+The parts the claim statement is built from (see :class:`Claimer` for why it is one statement).
 
 Every part selects *candidates*: rows that are pending (neither processed nor dead-lettered,
 written exactly as the partial-index predicates, so both planners use those indexes) and free
@@ -42,7 +42,7 @@ selected for 18 unique on SQLite without BEGIN IMMEDIATE). Here the lease is tak
 statement that chooses the rows, so a race resolves per row: a row is leased to exactly one
 token.
 
-The shape is a "windowed head claim" (its parts are in ``claim_parts``):
+The shape is a "windowed head claim" (its parts are above):
 
 * **keyless** rows are taken FIFO by ``seq`` and never pay for keyed backlogs;
 * **keyed** rows are claimable only when they are the *head* of their key: no earlier row with

@@ -1,4 +1,7 @@
-"""What one cycle does when the process stops in the middle of it (a cancellation).
+"""One table's cycle: claim a batch, then renew -> deliver -> record per row; and what a cycle
+does when the process stops in the middle of it.
+
+What one cycle does when the process stops in the middle of it (a cancellation).
 
 Nothing is charged. Deliveries already started run on and write their outcomes; rows the cycle
 never reached are released at once, beside them (a delivery or write that hangs must not use up
@@ -12,13 +15,13 @@ One table drained by one processor: claim a batch, then renew -> deliver -> reco
 
 (The renewal is skipped for a publish while the claim's lease outlasts the delivery's time
 limit, and the stamps of rows that finish together share one statement: see ``_needs_renewal``
-and ``stamps``.) Every delivery runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never
+and ``outcomes``.) Every delivery runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never
 returns is cancelled and charged like any failure, so it holds its own row only, never the cycle.
 
 This is the per-row half of the shared polling core; what "deliver" means is the only thing
 the outbox and the internal-command processors do differently (a ``Deliverer``). Each row's
 outcome is written as soon as it finishes (``outcomes``); a stop in the middle of a cycle is
-``shutdown``'s business; the claim statement is ``claim``'s."""
+:class:`CycleShutdown`'s business; the claim statement is ``claim``'s."""
 
 from __future__ import annotations
 
@@ -37,10 +40,17 @@ from typing import TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_kit.application.observability import AttributeValue, NoTracing, RelayMetrics, Span, Tracing
-from outbox_kit.application.timing import Clock, time_limit
+from outbox_kit.application.observability import (
+    AttributeValue,
+    Clock,
+    NoTracing,
+    RelayMetrics,
+    Span,
+    Tracing,
+    time_limit,
+)
 from outbox_kit.persistence.database import Database, is_database_outage
-from outbox_kit.persistence.leases import LeaseLostError, LeaseStore, lease_until
+from outbox_kit.persistence.tables import LeaseLostError, LeaseStore, lease_until
 from outbox_kit.processor.claim import ClaimedRow, Claimer, DeliverySlot
 from outbox_kit.processor.outcomes import Outcomes
 from outbox_kit.processor.processor import CycleResult, Deliverer, SourceSettings

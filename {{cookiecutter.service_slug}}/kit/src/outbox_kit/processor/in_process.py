@@ -32,12 +32,12 @@ lease outlasts it); past it they are cancelled and the delivery fails. The limit
 the commit: it stamps the row and then delivers the events the handlers raised, each under a
 limit of its own, and a delivery whose row is stamped must not be reported failed.
 A failed delivery releases the row's lease under its token, so the processor retries it once the
-processing delay has passed (``row_leases``: with a NOTIFY, best effort); later rows of the same
+processing delay has passed (:class:`InProcessRowLeases`: with a NOTIFY, best effort); later rows of the same
 ordering key are released untouched so they are not delivered before it. A keyed row that still
 has an earlier pending row of its key (written by another transaction) is left to the processor,
 whose claim enforces the order. A shutdown that interrupts the dispatch gives the rows not yet
 finished back the same way, so they do not wait out their lease. Cascades past
-``OUTBOX__MAX_CASCADE_DEPTH`` are dead-lettered (``cascade``)."""
+``OUTBOX__MAX_CASCADE_DEPTH`` are dead-lettered (:func:`dead_letter_cascade`)."""
 
 from __future__ import annotations
 
@@ -53,13 +53,11 @@ import sqlalchemy as sa
 
 from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import IntegrationEvent
-from outbox_kit.application.timing import Clock, TimeLimit, time_limit
-from outbox_kit.domain.events import DomainEvent, Message
-from outbox_kit.persistence.capture import WrittenRow, wake_replicas
+from outbox_kit.application.observability import Clock, TimeLimit, time_limit
+from outbox_kit.domain import DomainEvent, Message
 from outbox_kit.persistence.database import Database, handler_scope
-from outbox_kit.persistence.leases import CASCADE_DEPTH_EXCEEDED, LeaseLostError, LeaseStore
-from outbox_kit.persistence.tables import OUTBOX_TABLE
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.persistence.tables import CASCADE_DEPTH_EXCEEDED, OUTBOX_TABLE, LeaseLostError, LeaseStore
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory, WrittenRow, wake_replicas
 
 if TYPE_CHECKING:
     import uuid

@@ -38,8 +38,8 @@ the cycle and no connection is held past it.
 The outcome of each row, written as soon as the row finishes, guarded by id and lock token.
 
 * delivered: stamped processed (unless the handler's own transaction already did), together
-  with the stamps of the rows that finished meanwhile (``stamps``);
-* failed: ``retry_count + 1`` and ``last_error`` (see ``failures``); re-leased for the jittered
+  with the stamps of the rows that finished meanwhile (:class:`StampGroups`);
+* failed: ``retry_count + 1`` and ``last_error`` (see :func:`classify`); re-leased for the jittered
   backoff, or dead-lettered with an Error log naming the row;
 * paused (the downstream or the database is down): released without charging a retry;
 * lease lost (the token no longer matches): a Warning and a count, never an overwrite.
@@ -60,11 +60,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from outbox_kit.application.messages import MalformedPayloadError, UnknownMessageError
-from outbox_kit.application.observability import RelayMetrics
+from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.application.text import describe
-from outbox_kit.application.timing import Clock
 from outbox_kit.persistence.database import Database, is_database_outage
-from outbox_kit.persistence.leases import (
+from outbox_kit.persistence.tables import (
     MALFORMED_PAYLOAD,
     PAUSED_PREFIX,
     RETRIES_EXHAUSTED,

@@ -1,11 +1,11 @@
-"""What the polling core asks of the tables it drains, as Protocols: it knows no outbox.
+"""The processor: the polling core shared by the outbox and internal-command processors (one
+:class:`Processor` per table), what it asks of a table, and what wakes it.
 
-The outbox and the internal-command processors differ only in their :class:`Deliverer`; the
-metrics are the relay's (:class:`RelayMetrics`). What a delivery can end in is in ``outcomes``.
+It knows no outbox: the two processors differ only in their :class:`Deliverer`; the metrics
+are the relay's (:class:`RelayMetrics`); what a delivery can end in is in ``outcomes``, and one
+table's cycle is in ``cycle``.
 
-The polling core shared by the outbox and internal-command processors (one loop, two tables).
-
-A loop wakes on its in-process signal (a commit on this process, or a PostgreSQL NOTIFY from any
+A processor wakes on its in-process signal (a commit on this process, or a PostgreSQL NOTIFY from any
 replica), or after the fallback interval. After a cycle it
 
 * re-polls at once when the cycle made progress and either filled its batch or completed a
@@ -21,7 +21,10 @@ replica), or after the fallback interval. After a cycle it
   the longer idle interval: an idle worker then costs well under one statement a second. The
   fallback poll stays (NOTIFY is a hint, never the only path), only its pace changes.
 
-Idle cycles log nothing above DEBUG."""
+Idle cycles log nothing above DEBUG.
+
+The cross-replica wake: LISTEN on a dedicated asyncpg connection, turned into wake-ups; it
+reconnects forever and wakes the loops once after every reconnect to catch up."""
 
 from __future__ import annotations
 
@@ -33,11 +36,12 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol, Self
 
-from outbox_kit.application.observability import SpanKind
-from outbox_kit.application.timing import Clock, TimeLimit
+from outbox_kit.application.observability import Clock, SpanKind, TimeLimit
+from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.settings import OutboxSettings
 from outbox_kit.transports.bus import Delivered
 
 
@@ -69,7 +73,7 @@ class SourceSettings:
     delivery_concurrency: int
     claim_window: int
     lease_seconds: float
-    # A delivery running longer is cancelled and charged as a failure (``application.timing``).
+    # A delivery running longer is cancelled and charged as a failure (``application.observability``).
     delivery_timeout_seconds: float
     # A delivery starting with less lease left renews it first (the limit plus a margin): no
     # delivery can outlive its lease, so no replica claims a row another is still delivering.
@@ -77,6 +81,22 @@ class SourceSettings:
     max_retries: int
     retry_backoff_base_seconds: float
     shutdown_timeout_seconds: float
+
+    @classmethod
+    def of(cls, outbox: OutboxSettings, *, single_writer: bool) -> Self:
+        """The knobs from ``OUTBOX__*``; a single-writer database (SQLite) delivers one row at a
+        time, since concurrent deliveries would only queue on its lock."""
+        return cls(
+            batch_size=outbox.batch_size,
+            delivery_concurrency=1 if single_writer else outbox.delivery_concurrency,
+            claim_window=outbox.effective_claim_window,
+            lease_seconds=outbox.lease_seconds,
+            delivery_timeout_seconds=outbox.delivery_timeout_seconds,
+            renew_below_seconds=outbox.renew_below_seconds,
+            max_retries=outbox.max_retries,
+            retry_backoff_base_seconds=outbox.retry_backoff_base_seconds,
+            shutdown_timeout_seconds=outbox.shutdown_timeout_seconds,
+        )
 
 
 log = logging.getLogger(__name__)
@@ -176,3 +196,95 @@ class Processor:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
+
+
+class PostgresListener:
+    """LISTEN on the outbox channel and turn notifications into wake-ups; reconnects forever.
+
+    The connection is watched three ways: asyncpg's termination callback (the server closed it),
+    a ``SELECT 1`` every ``keepalive_seconds`` that must answer within ``query_timeout_seconds``
+    (a half-open socket, say after a failover behind a load balancer, never closes by itself),
+    and any error while listening. Whatever ends a connection, the listener reconnects; the
+    backoff only resets once a connection has stayed up for ``stable_seconds``, so a server that
+    accepts and drops at once is retried at the capped pace, not twenty times a second. Every
+    reconnect wakes the loops once, to catch up on what was committed in between.
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        channel: str,
+        wake: WakeSignal,
+        *,
+        initial_backoff: float = 0.05,
+        max_backoff: float = 5.0,
+        keepalive_seconds: float = 30.0,
+        query_timeout_seconds: float = 10.0,
+        stable_seconds: float = 10.0,
+    ) -> None:
+        self._dsn = dsn
+        self._channel = channel
+        self._wake = wake
+        self._initial_backoff = initial_backoff
+        self._max_backoff = max_backoff
+        self._keepalive = keepalive_seconds
+        self._query_timeout = query_timeout_seconds
+        self._stable = stable_seconds
+        self.connected = asyncio.Event()
+        self.notifications = 0
+        self.connections = 0
+
+    def _on_notify(self, *_args: object) -> None:
+        self.notifications += 1
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Listen until cancelled; reconnect with backoff when the connection drops."""
+        import asyncpg  # noqa: PLC0415 (only PostgreSQL deployments need it)
+
+        backoff = self._initial_backoff
+        while True:
+            try:
+                connection = await asyncpg.connect(self._dsn, timeout=self._query_timeout)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as error:
+                log.warning("outbox listener cannot connect (%s); retrying in %.2fs", error, backoff)
+            else:
+                self.connections += 1
+                connected_at = time.monotonic()
+                await self._listen(connection)
+                if time.monotonic() - connected_at >= self._stable:
+                    backoff = self._initial_backoff
+                    continue  # it was up long enough: reconnect at once
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff)
+
+    async def _listen(self, connection: Any) -> None:  # noqa: ANN401 (asyncpg.Connection, imported lazily)
+        lost = asyncio.Event()
+        try:
+            connection.add_termination_listener(lambda _conn: lost.set())
+            await connection.add_listener(self._channel, self._on_notify)
+            self.connected.set()
+            self._wake.set()  # catch up on whatever was committed while we were away
+            while not lost.is_set() and not connection.is_closed():
+                try:
+                    await asyncio.wait_for(lost.wait(), timeout=self._keepalive)
+                except TimeoutError:
+                    # A half-open socket answers nothing: the timeout is what detects it.
+                    await connection.execute("SELECT 1", timeout=self._query_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 (any failure means: reconnect)
+            log.warning("outbox listener lost its connection: %s: %s", type(error).__name__, error)
+        finally:
+            self.connected.clear()
+            await _close_quietly(connection, self._query_timeout)
+
+
+async def _close_quietly(connection: Any, within_seconds: float) -> None:  # noqa: ANN401 (asyncpg.Connection)
+    """Close, or drop the socket when a polite close cannot finish (the peer is gone)."""
+    if connection.is_closed():
+        return
+    try:
+        await connection.close(timeout=within_seconds)
+    except Exception:  # noqa: BLE001 (the connection is being discarded either way)
+        connection.terminate()

@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
 from outbox_kit.application.text import ECHO_LIMIT, shorten
-from outbox_kit.domain.errors import ConcurrencyError, DomainError, NotFoundError
+from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
 from outbox_kit.persistence.database import is_database_outage, is_database_timeout, is_transient
 from outbox_kit.persistence.idempotency import IdempotencyKeyReusedError
 

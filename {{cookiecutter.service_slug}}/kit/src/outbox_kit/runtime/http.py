@@ -1,4 +1,12 @@
-"""The HTTP edge: request limits, the request context, tracing, and the FastAPI dependencies.
+"""The HTTP edge: bearer tokens, request limits, refused text, the request context, tracing,
+and the FastAPI dependencies routes use.
+
+Bearer tokens: HS256 JWTs carrying ``sub`` (user), ``tenant`` and ``roles``.
+
+Minting exists for development and tests (``python -m <package> token``); production services
+usually receive tokens from an identity provider that shares the secret or key.
+
+The HTTP edge: request limits, the request context, tracing, and the FastAPI dependencies.
 
 Refusing, before any route reads it, text no database stores alike: NUL, unpaired surrogates and
 invalid UTF-8, wherever they are (path, query, a JSON or form body, keys included); and, in a JSON
@@ -13,7 +21,7 @@ The HTTP edge: what is refused before any route parses a request.
   read to its end).
 * A body not fully received within ``API__BODY_READ_TIMEOUT_SECONDS`` is 408 and the connection
   is closed: a client sending a byte now and then would otherwise hold a request for ever. (The
-  request head's own time limit is the server's: ``entrypoints/http_server.py``.)
+  request head's own time limit is the server's: ``runtime/server.py``.)
 * Text that no database stores alike (see :mod:`.text`) in the path, the query, or a JSON or
   form body is 422 for every route, including the ones a context adds later, so SQLite and
   PostgreSQL give one answer. Other content types (uploads) pass on as bytes.
@@ -39,7 +47,7 @@ request. A bad token does not fail the request by itself; endpoints that need an
 on :func:`authenticated`, which answers 401 with the reason.
 
 The outbox rows a request writes carry a ``traceparent``: with tracing on, that of the server span
-the OpenTelemetry FastAPI instrumentation opened around the request (see ``request_tracing``);
+the OpenTelemetry FastAPI instrumentation opened around the request (see ``trace_requests``);
 with tracing off, the caller's own, so a trace that started upstream runs on through this
 service, or a fresh one, so every row can still be followed in the logs.
 
@@ -61,29 +69,162 @@ import logging
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Annotated, Any, cast
 from urllib.parse import parse_qsl
 
+import jwt
 from fastapi import FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from outbox_kit.application.context import (
+    MAX_ROLES_BYTES,
+    MAX_TENANT_BYTES,
+    MAX_USER_BYTES,
     InvalidContextError,
     RequestContext,
     current_context,
+    fits,
+    flattened_size,
     new_correlation_id,
     new_traceparent,
     use_context,
+    utf8_size,
     validate_correlation_id,
     validate_traceparent,
 )
-from outbox_kit.application.observability import NoTracing, Tracing
-from outbox_kit.application.text import is_storable, shorten
+from outbox_kit.application.observability import Clock, NoTracing, Tracing
+from outbox_kit.application.text import is_plain_identifier, is_storable, shorten
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.persistence.idempotency import Answer, IdempotencyKey
-from outbox_kit.runtime.auth import InvalidTokenError, TokenService
+
+# Far above any token this service mints (three short claims); a longer one is refused before
+# it is decoded, so an oversized header costs no base64 and JSON work.
+MAX_TOKEN_LENGTH = 8192
+# The registered times, in seconds since the epoch. PyJWT reads them with int(), so a string, a
+# float and 1e308 (a token that never expires) passed; a time is an integer up to 9999-12-31.
+TIME_CLAIMS = ("exp", "nbf", "iat")
+LATEST_TIME = 253_402_300_799
+
+
+class InvalidTokenError(ValueError):
+    """The bearer token is missing a claim, expired, or not signed with our secret."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a verified token says about the caller."""
+
+    user_id: str
+    tenant_id: str
+    roles: tuple[str, ...]
+
+
+class TokenService:
+    """Mint and verify tokens with one shared secret."""
+
+    def __init__(
+        self,
+        *,
+        secret: str,
+        algorithm: str = "HS256",
+        issuer: str = "",
+        audience: str = "",
+        ttl: timedelta = timedelta(hours=1),
+        clock: Clock,
+    ) -> None:
+        self._secret = secret
+        self._algorithm = algorithm
+        self._issuer = issuer
+        self._audience = audience
+        self._ttl = ttl
+        self._clock = clock
+
+    def mint(self, *, user_id: str, tenant_id: str, roles: tuple[str, ...] = ()) -> str:
+        now: datetime = self._clock()
+        claims: dict[str, Any] = {
+            "sub": user_id,
+            "tenant": tenant_id,
+            "roles": list(roles),
+            "iat": now,
+            "exp": now + self._ttl,
+        }
+        if self._issuer:
+            claims["iss"] = self._issuer
+        if self._audience:
+            claims["aud"] = self._audience
+        return jwt.encode(claims, self._secret, algorithm=self._algorithm)
+
+    def verify(self, token: str) -> Identity:
+        if len(token) > MAX_TOKEN_LENGTH:
+            msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
+            raise InvalidTokenError(msg)
+        try:
+            claims = jwt.decode(
+                token,
+                self._secret,
+                algorithms=[self._algorithm],
+                issuer=self._issuer or None,
+                audience=self._audience or None,
+                options={"require": ["sub", "exp"]},
+            )
+        except jwt.PyJWTError as error:
+            msg = f"invalid bearer token: {error}"
+            raise InvalidTokenError(msg) from error
+        return self._identity(claims)
+
+    @staticmethod
+    def _identity(claims: dict[str, Any]) -> Identity:
+        _refuse_odd_times(claims)
+        user, tenant, roles = claims.get("sub"), claims.get("tenant"), claims.get("roles", [])
+        # Bytes in UTF-8, the unit consumers bound the signed headers in: a value that fit in
+        # characters but not in bytes was accepted here and refused by every consumer.
+        user = _bounded_text("sub", user, MAX_USER_BYTES)
+        tenant = _bounded_text("tenant", tenant, MAX_TENANT_BYTES)
+        if isinstance(roles, str):
+            roles = [r for r in roles.split(",") if r]
+        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+            msg = "invalid bearer token: 'roles' must be a list of strings"
+            raise InvalidTokenError(msg)
+        if flattened_size(roles) > MAX_ROLES_BYTES:
+            msg = (
+                f"invalid bearer token: 'roles' must be at most {MAX_ROLES_BYTES} bytes in UTF-8 "
+                f"comma-joined, got {flattened_size(roles)}"
+            )
+            raise InvalidTokenError(msg)
+        _refuse_control_characters(sub=[user], tenant=[tenant], roles=roles)
+        return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+
+
+def _bounded_text(claim: str, value: object, limit: int) -> str:
+    if isinstance(value, str) and fits(value, limit):
+        return value
+    got = f", got {utf8_size(value)}" if isinstance(value, str) else ""
+    msg = f"invalid bearer token: '{claim}' must be a string of 1-{limit} bytes in UTF-8{got}"
+    raise InvalidTokenError(msg)
+
+
+def _refuse_odd_times(claims: dict[str, Any]) -> None:
+    for claim in TIME_CLAIMS:
+        value = claims.get(claim)
+        if value is None:
+            continue
+        if type(value) is not int or not 0 <= value <= LATEST_TIME:
+            msg = f"invalid bearer token: '{claim}' must be an integer number of seconds up to {LATEST_TIME}"
+            raise InvalidTokenError(msg)
+
+
+def _refuse_control_characters(**claims: list[str]) -> None:
+    """The identity is copied into every row, header and log line the request causes: a CRLF
+    or NUL there would forge lines or break storage, so the whole token is refused."""
+    for claim, values in claims.items():
+        if not all(is_plain_identifier(value) for value in values):
+            msg = f"invalid bearer token: '{claim}' must not contain control characters"
+            raise InvalidTokenError(msg)
+
 
 UNSTORABLE_MESSAGE = "NUL characters, unpaired surrogates and invalid UTF-8 are not accepted in text"
 NON_FINITE_MESSAGE = (

@@ -15,14 +15,12 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox_kit.application.observability import RelayMetrics
-from outbox_kit.application.timing import Clock
+from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.operations.retention import RetentionCleaner
-from outbox_kit.persistence.capture import WakeSignal
 from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.cycle import TableSource
-from outbox_kit.processor.listener import PostgresListener
-from outbox_kit.processor.processor import Processor
+from outbox_kit.processor.processor import PostgresListener, Processor
 from outbox_kit.transports.bus import MessageBus
 
 log = logging.getLogger(__name__)

@@ -40,8 +40,8 @@ from typing import Protocol, TypeVar
 
 from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
-from outbox_kit.application.timing import Clock
-from outbox_kit.domain.events import utc_now
+from outbox_kit.application.observability import Clock
+from outbox_kit.domain import utc_now
 from outbox_kit.transports.envelope import Envelope
 
 

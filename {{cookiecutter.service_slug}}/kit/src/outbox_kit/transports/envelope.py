@@ -17,7 +17,7 @@ accepts is never refused here.
 
 The wire form of an integration event and its signed context headers.
 
-The headers it travels with are named in ``header_names``.
+The headers it travels with are named above.
 
 The signature is ``<key id>:<hex HMAC-SHA256>`` over a canonical encoding of those headers and
 the body, so a consumer can trust the tenant and user a message claims to run under: without

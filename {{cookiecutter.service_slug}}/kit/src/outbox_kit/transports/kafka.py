@@ -81,16 +81,13 @@ from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.text import as_str
 from outbox_kit.transports.base import (
     BROKER_LOG,
+    TRUNCATED,
+    CopyLimit,
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
-    ReceivedMessage,
-)
-from outbox_kit.transports.envelope import Envelope
-from outbox_kit.transports.headers import (
-    TRUNCATED,
-    CopyLimit,
     Publish,
+    ReceivedMessage,
     as_text,
     broker_count,
     dead_letter_headers,
@@ -100,6 +97,7 @@ from outbox_kit.transports.headers import (
     signed_essentials,
     undecoded_body,
 )
+from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

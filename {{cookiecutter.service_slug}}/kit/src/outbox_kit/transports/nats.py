@@ -44,19 +44,17 @@ from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.transports.base import (
     BROKER_LOG,
+    CopyLimit,
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
     ReceivedMessage,
-)
-from outbox_kit.transports.envelope import Envelope
-from outbox_kit.transports.headers import (
-    CopyLimit,
     as_text,
     dead_letter_headers,
     publish_copy,
     undecoded_body,
 )
+from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

@@ -62,20 +62,18 @@ from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.application.text import as_str
 from outbox_kit.transports.base import (
     BROKER_LOG,
+    NO_LIMIT,
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
     ReceivedMessage,
-)
-from outbox_kit.transports.envelope import Envelope
-from outbox_kit.transports.headers import (
-    NO_LIMIT,
     as_text,
     dead_letter_headers,
     fallback_parser,
     publish_copy,
     undecoded_body,
 )
+from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

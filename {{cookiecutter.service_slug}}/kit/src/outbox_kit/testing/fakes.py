@@ -34,9 +34,7 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.context import current_context
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand
-from outbox_kit.domain.aggregate import AggregateRoot
-from outbox_kit.domain.errors import ConcurrencyError, NotFoundError
-from outbox_kit.domain.events import DomainEvent
+from outbox_kit.domain import AggregateRoot, ConcurrencyError, DomainEvent, NotFoundError
 from outbox_kit.persistence import repository as savepoints
 from outbox_kit.persistence.unit_of_work import run_before_commit
 

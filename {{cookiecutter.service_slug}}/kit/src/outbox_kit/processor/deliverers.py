@@ -1,4 +1,7 @@
-"""What the outbox processor does with one claimed row.
+"""The two deliverers the processor core runs: the outbox's (publish through the message bus, or
+dispatch in-process) and the internal commands' (run the command's handler).
+
+What the outbox processor does with one claimed row.
 
 * Local domain-event rows: the row's context is restored on a fresh scope (tenant, user, roles
   with authentication type ``outbox``, correlation), the handlers run in a fresh unit of work,
@@ -8,7 +11,15 @@
   (``OUTBOX__IMMEDIATE_DISPATCH=false`` on producer-only hosts: a host that writes local events
   it does not handle leaves them to the host that does).
 * Integration-event rows: published through the message bus behind the circuit breaker; the
-  processed stamp is written only after the transport confirmed the publish."""
+  processed stamp is written only after the transport confirmed the publish.
+
+Internal commands: deferred instructions to this service itself.
+
+``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
+transaction, with the same context capture as an outbox row. The internal-command processor
+(the same polling core, lease, backoff and dead-letter idiom as the outbox) runs the command's
+handler in a fresh unit of work under the restored context, and stamps the row processed in
+that same transaction: the command's effects happen exactly once."""
 
 from __future__ import annotations
 
@@ -17,11 +28,12 @@ import logging
 import uuid
 
 from outbox_kit.application.context import restored
-from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.application.observability import SpanKind
-from outbox_kit.application.timing import TimeLimit
-from outbox_kit.persistence.tables import DOMAIN
+from outbox_kit.application.observability import SpanKind, TimeLimit
+from outbox_kit.persistence.database import handler_scope
+from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus
@@ -95,3 +107,46 @@ class OutboxDeliverer:
             "host, or run producer-only hosts with OUTBOX__IMMEDIATE_DISPATCH=false.",
             event_name,
         )
+
+
+COMMAND_AUTHENTICATION = "internal-command"
+
+
+class NoCommandHandlerError(LookupError):
+    """A command was scheduled but no handler is registered for it on this host."""
+
+
+class CommandDeliverer:
+    """Runs one internal command in its own unit of work."""
+
+    def __init__(
+        self, *, registry: MessageRegistry, handlers: HandlerRegistry, units: SqlUnitOfWorkFactory
+    ) -> None:
+        self._registry = registry
+        self._handlers = handlers
+        self._units = units
+        self._store = LeaseStore(COMMAND_TABLE)
+
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """A command's handler holds a database session: always a whole lease first."""
+        del row
+        return True
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        command = self._registry.load(row.name, row.payload)
+        handler = self._handlers.command_handler(type(command))
+        if handler is None:
+            msg = f"no handler is registered for internal command {row.name!r}"
+            raise NoCommandHandlerError(msg)
+        with restored(row.captured_context(), authentication_type=COMMAND_AUTHENTICATION):
+            async with self._units() as uow:
+                with handler_scope(handler_name(handler)):
+                    async with limit():
+                        await handler(command, uow)
+                uow.stamp_processed_on_commit(self._store, row.id, token)
+                await uow.commit()
+        return Delivered.STAMPED

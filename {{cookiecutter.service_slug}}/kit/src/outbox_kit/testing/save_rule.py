@@ -1,4 +1,10 @@
-"""The "handlers do not save" rule: a static, transitive call-graph check over the source.
+"""The "handlers do not save" rule, and its report.
+
+What the handlers-do-not-save rule reports: each violation with the chain of calls from the
+handler to the save (file and line of every hop), each allowlisted save with its reason, and how
+to fix a violation.
+
+The "handlers do not save" rule: a static, transitive call-graph check over the source.
 
 A handler (domain-event handler, integration-event consumer, internal-command handler) runs
 inside a unit of work that commits its effects together with the delivery record: the processed
@@ -56,21 +62,22 @@ Limits (what this rule cannot see; the runtime guard still catches commits of th
 * **Code outside the scanned packages.** Libraries are not walked: a library function that
   commits internally is a save only if it is declared a sink.
 * **Flow-insensitive types.** A name holds every value assigned to it anywhere in its scope, and
-  generic containers lose their element types; this errs towards reporting more, not less.
-"""
+  generic containers lose their element types; this errs towards reporting more, not less."""
 
 from __future__ import annotations
 
 import inspect
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .callgraph import (
+from outbox_kit.application.handlers import Module, collect_adapters
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
+from outbox_kit.testing.callgraph import CallGraph
+from outbox_kit.testing.sources import (
     Callee,
-    CallGraph,
     ClassRef,
     Edge,
     External,
@@ -79,7 +86,106 @@ from .callgraph import (
     source_index,
     type_name,
 )
-from .save_report import AllowlistHit, Hop, Report, Violation
+
+HOW_TO_FIX = (
+    "Handlers must not save: the unit of work that dispatches them commits their effects with "
+    "the delivery record. Mutate state, raise events, enqueue integration events or schedule an "
+    "internal command (uow.schedule) instead; or allowlist the name with the reason it is safe."
+)
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a chain: what was reached, how, and the file:line where it happens."""
+
+    name: str
+    path: Path
+    line: int
+    how: str
+
+    @property
+    def location(self) -> str:
+        return f"{_shown(self.path)}:{self.line}"
+
+    def describe(self) -> str:
+        return f"{self.name}  [{self.how} at {self.location}]"
+
+
+def _chain_text(chain: tuple[Hop, ...], last: str) -> str:
+    lines = [f"      {chain[0].describe()}"]
+    lines += [f"   -> {hop.describe()}" for hop in chain[1:]]
+    return "\n".join([*lines[:-1], f"{lines[-1]}  <- {last}"]) if len(lines) > 1 else lines[0]
+
+
+@dataclass(frozen=True)
+class Violation:
+    handler: str
+    kind: str
+    chain: tuple[Hop, ...]
+
+    @property
+    def sink(self) -> str:
+        return self.chain[-1].name
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(hop.name for hop in self.chain)
+
+    def describe(self) -> str:
+        return (
+            f"  {self.kind} handler {self.handler} saves ({len(self.chain) - 1} call(s) deep):\n"
+            f"{_chain_text(self.chain, 'saves')}"
+        )
+
+
+@dataclass(frozen=True)
+class AllowlistHit:
+    """The first (shortest) path from a handler to one allowlist entry."""
+
+    handler: str
+    kind: str
+    entry: str
+    name: str
+    reason: str
+    chain: tuple[Hop, ...]
+
+    def describe(self) -> str:
+        return (
+            f"  {self.kind} handler {self.handler} reaches {self.name} (allowlisted as {self.entry})\n"
+            f"      reason: {self.reason}\n{_chain_text(self.chain, 'allowlisted, not walked')}"
+        )
+
+
+@dataclass
+class Report:
+    checked: list[str] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    allowlisted: list[AllowlistHit] = field(default_factory=list)
+    unresolved: list[str] = field(default_factory=list)
+
+    def violations_of(self, handler: str) -> list[Violation]:
+        return [v for v in self.violations if v.handler == handler]
+
+    def allowlisted_for(self, handler: str) -> list[AllowlistHit]:
+        return [hit for hit in self.allowlisted if hit.handler == handler]
+
+    def describe(self) -> str:
+        parts = [f"{len(self.checked)} handler(s) checked, {len(self.violations)} save(s) found."]
+        if self.violations:
+            parts += [HOW_TO_FIX, *(v.describe() for v in self.violations)]
+        if self.unresolved:
+            parts.append("No source found (not checked): " + ", ".join(self.unresolved))
+        if self.allowlisted:
+            parts += ["Allowlisted:", *(hit.describe() for hit in self.allowlisted)]
+        return "\n".join(parts)
+
 
 DEFAULT_DEPTH = 6
 SESSION_METHODS = ("commit", "flush", "begin", "begin_nested")
@@ -280,3 +386,35 @@ class SaveRule:
         report.checked.append(fn.key)
         report.violations += walk.violations.values()
         report.allowlisted += walk.allowed.values()
+
+
+KIT_PACKAGE = __name__.partition(".")[0]
+KIT_ALLOWLIST: Mapping[str, str] = {
+    f"{SqlUnitOfWork.__module__}.SqlUnitOfWork.savepoint": (
+        "a savepoint (SAVEPOINT ... RELEASE) commits nothing: the dispatching unit of work still "
+        "decides, with the delivery record"
+    ),
+}
+"""The kit's accepted writes: every service's rule starts from these."""
+KIT_SINKS: tuple[SinkSpec, ...] = (*DEFAULT_SINKS, (SqlUnitOfWork, "commit"))
+"""What counts as a save in a service on the kit: SQLAlchemy's and the unit of work's commits."""
+
+
+def service_save_rule(
+    package: str,
+    modules: Sequence[Module],
+    *,
+    allowlist: Mapping[str, str] | None = None,
+    sinks: Iterable[SinkSpec] = (),
+    depth: int = DEFAULT_DEPTH,
+) -> SaveRule:
+    """The rule as a service runs it: the service's package and the kit walked, the contexts'
+    adapters map, the kit's sinks and accepted writes beside the service's own ``allowlist``
+    (dotted name -> why the write is accepted) and ``sinks``."""
+    return SaveRule(
+        packages=(package, KIT_PACKAGE),
+        adapters=collect_adapters(modules),
+        allowlist={**KIT_ALLOWLIST, **(allowlist or {})},
+        sinks=(*KIT_SINKS, *sinks),
+        depth=depth,
+    )

@@ -1,7 +1,8 @@
 """The relay's knobs with their defaults (polling 2 s, 10 s while idle and woken by NOTIFY,
 processing delay 5 s, lease 300 s, a delivery time limit of 60 s, five retries, backoff base
 10 s, batch 100 with 32 deliveries in flight, retention 7 days), and the inbox's retention.
-docs/performance.md says why; docs/semantics.md ("Time limits") why the limit fits the lease."""
+A generated service's docs/performance.md says why; its docs/semantics.md ("Time limits") why the
+limit fits the lease."""
 
 from __future__ import annotations
 

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+
 from outbox_kit.application.context import RequestContext
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.requests import (
@@ -27,7 +29,6 @@ from outbox_kit.operations.requests import (
 )
 from outbox_kit.runtime.errors import error_responses
 from outbox_kit.runtime.http import require_role
-from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
