@@ -72,7 +72,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, Protocol, Self, TypeVar
+from typing import Any, Generic, Protocol, Self, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
@@ -367,7 +367,43 @@ async def run_before_commit(
             aggregate.version = version
 
 
-class SqlUnitOfWork:
+R = TypeVar("R")
+
+
+class CollectingUnitOfWork(Generic[R]):
+    """What a unit of work collects until its commit, and the methods that collect it: the
+    aggregates its repositories (``R``) track, the repositories bound to it, integration events,
+    internal commands and ``before_commit`` writes. The SQL unit of work and the in-memory fake
+    (``outbox_kit.testing``) share it, so the two cannot collect differently."""
+
+    def _reset_collected(self) -> None:
+        self._tracked: list[tuple[AggregateRoot, R]] = []
+        self._repositories: dict[type[Any], Any] = {}
+        self._integration_events: list[IntegrationEvent] = []
+        self._commands: list[tuple[InternalCommand, datetime | None]] = []
+        self._before_commit: list[Callable[[], Awaitable[None]]] = []
+
+    def track(self, aggregate: AggregateRoot, repository: R) -> None:
+        """Remember an aggregate so its events are captured at commit (repositories call it)."""
+        if not any(seen is aggregate for seen, _ in self._tracked):
+            self._tracked.append((aggregate, repository))
+
+    def enqueue(self, event: IntegrationEvent) -> None:
+        """Publish ``event`` to other services once this transaction commits (via the outbox)."""
+        self._integration_events.append(event)
+
+    def schedule(self, command: InternalCommand, due_at: datetime | None = None) -> None:
+        """Run ``command`` later, in its own unit of work, once this transaction commits."""
+        self._commands.append((command, due_at))
+
+    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
+        """Run ``write`` in this transaction at commit, once the aggregates are saved: while it
+        runs they carry their saved versions, so it can record what the caller will be answered
+        (an idempotency key's answer) in the same transaction."""
+        self._before_commit.append(write)
+
+
+class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
     """One business transaction on one session. ``async with uow:`` then ``await uow.commit()``.
 
     Implements the contexts' ``UnitOfWork`` and ``AdapterScope`` Protocols, and what only the
@@ -381,12 +417,8 @@ class SqlUnitOfWork:
         self._reset()
 
     def _reset(self) -> None:
-        self._tracked: list[tuple[AggregateRoot, Repository[Any]]] = []
-        self._repositories: dict[type[Any], Any] = {}
-        self._integration_events: list[IntegrationEvent] = []
-        self._commands: list[tuple[InternalCommand, datetime | None]] = []
+        self._reset_collected()
         self._records = DeliveryRecords()
-        self._before_commit: list[Callable[[], Awaitable[None]]] = []
         self.committed = False
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -453,25 +485,6 @@ class SqlUnitOfWork:
             repository = adapter(self)
             self._repositories[port] = repository
         return repository  # type: ignore[no-any-return]
-
-    def track(self, aggregate: AggregateRoot, repository: Repository[Any]) -> None:
-        """Remember an aggregate so its events are captured at commit (repositories call it)."""
-        if not any(seen is aggregate for seen, _ in self._tracked):
-            self._tracked.append((aggregate, repository))
-
-    def enqueue(self, event: IntegrationEvent) -> None:
-        """Publish ``event`` to other services once this transaction commits (via the outbox)."""
-        self._integration_events.append(event)
-
-    def schedule(self, command: InternalCommand, due_at: datetime | None = None) -> None:
-        """Run ``command`` later, in its own unit of work, once this transaction commits."""
-        self._commands.append((command, due_at))
-
-    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
-        """Run ``write`` in this transaction at commit, once the aggregates are saved: while it
-        runs they carry their saved versions, so it can record what the caller will be answered
-        (an idempotency key's answer) in the same transaction."""
-        self._before_commit.append(write)
 
     def stamp_processed_on_commit(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
         """Mark a delivered row processed in this transaction (dispatcher and processors)."""

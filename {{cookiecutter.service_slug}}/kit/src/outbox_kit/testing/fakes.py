@@ -36,7 +36,7 @@ from outbox_kit.application.context import current_context
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand
 from outbox_kit.domain import AggregateRoot, ConcurrencyError, DomainEvent, NotFoundError
 from outbox_kit.persistence import repository as savepoints
-from outbox_kit.persistence.unit_of_work import run_before_commit
+from outbox_kit.persistence.unit_of_work import CollectingUnitOfWork, run_before_commit
 
 A = TypeVar("A", bound=AggregateRoot)
 P = TypeVar("P")
@@ -54,7 +54,7 @@ class InMemoryStore:
     commits: int = 0
 
 
-class InMemoryUnitOfWork:
+class InMemoryUnitOfWork(CollectingUnitOfWork["InMemoryRepository[Any]"]):
     """A :class:`~outbox_kit.public.TransactionalUnitOfWork` (and ``AdapterScope``) in memory.
 
     ``adapters`` maps each port a use case asks for (``uow.repository(Orders)``) to what builds
@@ -76,11 +76,7 @@ class InMemoryUnitOfWork:
         self._reset()
 
     def _reset(self) -> None:
-        self._tracked: list[tuple[AggregateRoot, Any]] = []
-        self._repositories: dict[type[Any], Any] = {}
-        self._integration_events: list[IntegrationEvent] = []
-        self._commands: list[tuple[InternalCommand, datetime | None]] = []
-        self._before_commit: list[Callable[[], Awaitable[None]]] = []
+        self._reset_collected()
         self.committed = False
 
     async def __aenter__(self) -> Self:
@@ -118,19 +114,6 @@ class InMemoryUnitOfWork:
                 raise LookupError(msg)
             repository = self._repositories[port] = adapter(self)
         return repository  # type: ignore[no-any-return]
-
-    def track(self, aggregate: AggregateRoot, repository: Any) -> None:  # noqa: ANN401 (any repository)
-        if not any(seen is aggregate for seen, _ in self._tracked):
-            self._tracked.append((aggregate, repository))
-
-    def enqueue(self, event: IntegrationEvent) -> None:
-        self._integration_events.append(event)
-
-    def schedule(self, command: InternalCommand, due_at: datetime | None = None) -> None:
-        self._commands.append((command, due_at))
-
-    def before_commit(self, write: Callable[[], Awaitable[None]]) -> None:
-        self._before_commit.append(write)
 
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
