@@ -7,7 +7,7 @@ name is re-exported here, so ``from <package>.settings import ...`` is the impor
 
 from outbox_kit.persistence.settings import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
-from outbox_kit.runtime.server import ApiSettings
+from outbox_kit.runtime.settings import ApiSettings
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
