@@ -83,7 +83,7 @@ def test_the_kit_builds_a_wheel_with_its_public_surface_and_its_types(
     (wheel,) = tmp_path.glob("outbox_kit-*.whl")
     assert wheel.name.startswith(f"outbox_kit-{version}-")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for required in ("outbox_kit/__init__.py", "outbox_kit/public.py", "outbox_kit/domain/__init__.py"):
+    for required in ("outbox_kit/__init__.py", "outbox_kit/public.py", "outbox_kit/domain.py"):
         assert required in names
     assert "outbox_kit/py.typed" in names  # a service's mypy reads the kit's types
     assert not [name for name in names if "/tests/" in name or name.endswith(".pyc")]

@@ -115,7 +115,7 @@ def test_a_linked_service_keeps_its_answers_and_takes_a_template_update(
     assert_clean_update(project, template_repo)
 
 
-KIT_MODULE = "kit/src/outbox_kit/polling/retries.py"
+KIT_MODULE = "kit/src/outbox_kit/persistence/tables.py"
 KIT_CHANGE = ('RETRIES_EXHAUSTED = "retries_exhausted"\n', 'RETRIES_EXHAUSTED = "retries_exhausted"  # v2\n')
 OWN_CONTEXT = {
     "__init__.py": "",

@@ -6,18 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from outbox_kit.application.handlers import (
-    HandlerRegistry,
-)
-from outbox_kit.application.registry import (
-    MessageRegistry,
-)
-from outbox_kit.brokers.asyncapi import (
-    asyncapi_document,
-    public_server,
-)
-from outbox_kit.messaging.settings import MessageBusSettings
+from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.public import IntegrationEvent
+from outbox_kit.transports.asyncapi import asyncapi_document, public_server
+from outbox_kit.transports.settings import MessageBusSettings
 
 pytestmark = pytest.mark.unit
 

@@ -5,10 +5,7 @@ from typing import Any
 
 import jwt
 import pytest
-from outbox_kit.web.auth import (
-    InvalidTokenError,
-    TokenService,
-)
+from outbox_kit.runtime.http import InvalidTokenError, TokenService
 
 pytestmark = pytest.mark.unit
 SECRET = "unit-test-secret-of-at-least-32-bytes!"

@@ -4,12 +4,8 @@ import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from outbox_kit.messaging.circuit import CircuitBreaker
-from outbox_kit.messaging.outages import (
-    BrokerUnavailableError,
-    CircuitOpenError,
-)
-from outbox_kit.polling.retries import backoff_seconds
+from outbox_kit.persistence.tables import backoff_seconds
+from outbox_kit.transports.bus import BrokerUnavailableError, CircuitBreaker, CircuitOpenError
 
 pytestmark = pytest.mark.unit
 

@@ -4,16 +4,9 @@ from __future__ import annotations
 
 import pytest
 from aiormq.exceptions import AMQPConnectionError, ChannelInvalidStateError
-from outbox_kit.application.registry import (
-    MessageRegistry,
-)
-from outbox_kit.brokers.naming import (
-    EndpointNames,
-)
-from outbox_kit.brokers.transports.rabbit import (
-    RabbitTransport,
-)
-from outbox_kit.messaging.settings import MessageBusSettings
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.transports.rabbit import RabbitTransport
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 pytestmark = pytest.mark.unit
 

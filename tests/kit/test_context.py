@@ -1,35 +1,21 @@
 """Request context: validation, role flattening, capture and restore."""
 
 import pytest
-from outbox_kit.kernel.context_values import (
+from outbox_kit.application.context import (
+    MAX_ROLES_BYTES,
     MAX_TENANT_BYTES,
     MAX_USER_BYTES,
     InvalidContextError,
+    RequestContext,
+    capture_context,
+    current_context,
+    flatten_roles,
+    restored,
+    use_context,
     validate_correlation_id,
 )
-from outbox_kit.kernel.hops import capture, restored
-from outbox_kit.kernel.request_context import (
-    RequestContext,
-    current_context,
-    use_context,
-)
-from outbox_kit.kernel.roles import (
-    MAX_ROLES_BYTES,
-    flatten_roles,
-)
-from outbox_kit.messaging.header_names import (
-    LIMITS,
-    TENANT_ID,
-    USER_ID,
-    USER_ROLES,
-)
-from outbox_kit.persistence.audit_tables import (
-    InboxMessage,
-)
-from outbox_kit.persistence.tables import (
-    COMMAND_TABLE,
-    OUTBOX_TABLE,
-)
+from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE, InboxMessage
+from outbox_kit.transports.envelope import LIMITS, TENANT_ID, USER_ID, USER_ROLES
 
 pytestmark = pytest.mark.unit
 
@@ -72,9 +58,9 @@ def test_capture_refuses_an_identity_no_consumer_would_accept() -> None:
         RequestContext(tenant_id="t", user_id="\u00fc" * 65),
     ):
         with use_context(context), pytest.raises(InvalidContextError, match="bytes in UTF-8"):
-            capture()
+            capture_context()
     with use_context(RequestContext(tenant_id="\u00fc" * 32, user_id="\u00fc" * 64)):
-        assert capture().tenant_id == "\u00fc" * 32
+        assert capture_context().tenant_id == "\u00fc" * 32
 
 
 @pytest.mark.parametrize("value", ["x" * 65, "", "-starts-with-dash", "has space", "semi;colon", "é"])
@@ -85,7 +71,7 @@ def test_bad_correlation_ids_are_refused(value: str) -> None:
 
 def test_capture_and_restore_replace_rather_than_merge() -> None:
     with use_context(RequestContext(tenant_id="t1", user_id="u1", roles=("a", "b"), correlation_id="c1")):
-        captured = capture()
+        captured = capture_context()
     assert captured.user_roles == "a,b"
     with use_context(RequestContext(tenant_id="other", user_id="intruder")):
         with restored(captured, authentication_type="outbox") as context:

@@ -19,12 +19,8 @@ from typing import Any, cast
 import pytest
 from nats.errors import ConnectionClosedError
 from nats.js.errors import BadRequestError
-from outbox_kit.brokers.transports.nats_delivery import (
-    NatsDelivery,
-)
-from outbox_kit.brokers.transports.rabbit_delivery import (
-    RabbitDelivery,
-)
+from outbox_kit.transports.nats import NatsDelivery
+from outbox_kit.transports.rabbit import RabbitDelivery
 from pamqp.encode import field_table
 
 pytestmark = pytest.mark.unit

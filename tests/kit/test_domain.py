@@ -3,10 +3,7 @@
 from dataclasses import dataclass
 
 import pytest
-from outbox_kit.application.messages import (
-    IntegrationEvent,
-    InternalCommand,
-)
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand
 from outbox_kit.domain import (
     MAX_ORDERING_KEY_LENGTH,
     AggregateRoot,

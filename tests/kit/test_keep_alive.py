@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from outbox_kit.brokers.holding import keep_alive
+from outbox_kit.consume.subscribers import keep_alive
 
 pytestmark = pytest.mark.unit
 

@@ -3,17 +3,15 @@
 from datetime import UTC, datetime
 
 import pytest
-from outbox_kit.kernel.request_context import (
-    CapturedContext,
-)
-from outbox_kit.messaging.envelope import Envelope
-from outbox_kit.messaging.header_names import (
+from outbox_kit.application.context import CapturedContext
+from outbox_kit.transports.envelope import (
     SIGNATURE,
     TENANT_ID,
+    Envelope,
+    RejectedMessageError,
+    Signer,
+    read_envelope,
 )
-from outbox_kit.messaging.reading import read_envelope
-from outbox_kit.messaging.rejections import RejectedMessageError
-from outbox_kit.messaging.signing import Signer
 
 pytestmark = pytest.mark.unit
 BODY = b'{"order_id": "o-1"}'

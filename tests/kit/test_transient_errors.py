@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.failures import is_transient
-from outbox_kit.persistence.outages import is_database_outage
+from outbox_kit.persistence.database import is_database_outage, is_transient
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
 

@@ -39,20 +39,18 @@ from collections.abc import Callable
 from typing import Any
 
 import sqlalchemy as sa
-from outbox_kit.application.handler_types import (
-    Consumer,
-)
+from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.brokers.faststream_bus import (
+from outbox_kit.consume.bus import (
     build_transport,
 )
-from outbox_kit.brokers.naming import (
-    EndpointNames,
+from outbox_kit.transports.base import (
+    BrokerDelivery,
 )
-from outbox_kit.brokers.transports.ports import (
-    Delivery,
+from outbox_kit.transports.settings import (
+    EndpointNames,
 )
 
 from {{ cookiecutter.package_name }}.settings import (
@@ -157,7 +155,7 @@ async def counter(settings: Settings, event: str, expect: int) -> None:
 
     consumer: Consumer[Any] = Consumer(COUNTER, EVENT_TYPES[event], ignored)
 
-    async def on_delivery(delivery: Delivery) -> None:
+    async def on_delivery(delivery: BrokerDelivery) -> None:
         await delivery.ack()
         try:
             payload = json.loads(delivery.body)

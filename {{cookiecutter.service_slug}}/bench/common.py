@@ -30,19 +30,17 @@ from pathlib import Path
 from typing import Any, cast
 
 import sqlalchemy as sa
-from outbox_kit.application.messages import (
-    IntegrationEvent,
-)
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
     use_context,
 )
-from outbox_kit.persistence.audit_tables import (
-    InboxMessage,
+from outbox_kit.application.messages import (
+    IntegrationEvent,
 )
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
+    InboxMessage,
 )
 from sqlalchemy.ext.asyncio import create_async_engine
 

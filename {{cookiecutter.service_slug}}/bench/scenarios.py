@@ -42,27 +42,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
+from outbox_kit.application.context import (
+    capture_context,
+    use_context,
+)
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.brokers.faststream_bus import (
+from outbox_kit.consume.bus import (
     FastStreamBus,
     build_transport,
 )
-from outbox_kit.brokers.naming import (
-    EndpointNames,
-)
-from outbox_kit.kernel.hops import (
-    capture,
-)
-from outbox_kit.kernel.request_context import (
-    use_context,
-)
-from outbox_kit.messaging.envelope import (
-    Envelope,
-)
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
+)
+from outbox_kit.transports.envelope import (
+    Envelope,
+)
+from outbox_kit.transports.settings import (
+    EndpointNames,
 )
 
 from {{ cookiecutter.package_name }}.container import (
@@ -214,7 +212,7 @@ def prebuilt(container: Container, count: int, *, keys: int) -> list[tuple[Envel
     signer = container.signer()
     messages = []
     with use_context(BENCH_CONTEXT):
-        context = capture()
+        context = capture_context()
     for event in make_events(count, keys=keys):
         envelope = Envelope(
             message_id=str(uuid.uuid4()),

@@ -7,8 +7,7 @@ place). The URL comes from the caller (``config.attributes["database_url"]``) or
 import asyncio
 from logging.config import fileConfig
 
-# Every table the framework owns: a module left out here is a table autogenerate would drop.
-import outbox_kit.persistence.audit_tables
+# Every table the kit owns: a module left out here is a table autogenerate would drop.
 import outbox_kit.persistence.tables  # noqa: F401
 from alembic import context
 from sqlalchemy.engine import Connection

@@ -33,10 +33,11 @@ from urllib.parse import urlparse
 import pytest
 import sqlalchemy as sa
 from fastapi import APIRouter
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
     use_context,
 )
+from outbox_kit.processor.settings import LEASE_MARGIN_FRACTION
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
@@ -50,7 +51,6 @@ from {{ cookiecutter.package_name }}.entrypoints import (
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )
-from {{ cookiecutter.package_name }}.settings.relay import LEASE_MARGIN_FRACTION
 
 for _name in list(os.environ):
     if re.match(
@@ -346,12 +346,12 @@ async def live_server(
     """The app on a real uvicorn server (lifespan included), on a free port of this loop;
     ``routers`` stand for a context a user adds later (the app's edge must cover it too)."""
     import uvicorn
+    from outbox_kit.runtime.server import (
+        server_config,
+    )
 
     from {{ cookiecutter.package_name }}.entrypoints.app import (
         create_app,
-    )
-    from {{ cookiecutter.package_name }}.entrypoints.http_server import (
-        server_config,
     )
 
     app = create_app(container, with_worker=with_worker)

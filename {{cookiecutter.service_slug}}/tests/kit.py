@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import sqlalchemy as sa
+from outbox_kit.application.context import (
+    current_context,
+)
 from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
@@ -19,13 +22,10 @@ from outbox_kit.domain import (
     DomainEvent,
     applies,
 )
-from outbox_kit.kernel.request_context import (
-    current_context,
-)
-from outbox_kit.unit_of_work.repository import (
+from outbox_kit.persistence.repository import (
     Repository,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from sqlmodel.ext.asyncio.session import AsyncSession

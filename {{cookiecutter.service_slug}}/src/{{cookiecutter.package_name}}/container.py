@@ -14,22 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 from dependency_injector import containers, providers
-from outbox_kit.application.module import (
-    collect_adapters,
-)
-from outbox_kit.commands.deliverer import CommandDeliverer
-from outbox_kit.inbox.pipeline import ConsumePipeline
-from outbox_kit.kernel.clock import system_clock
-from outbox_kit.kernel.metrics import RelayMetrics
-from outbox_kit.messaging.circuit import CircuitBreaker
+from outbox_kit.application.handlers import collect_adapters
+from outbox_kit.application.observability import RelayMetrics, system_clock
+from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.retention import RetentionCleaner
-from outbox_kit.outbox.deliverer import OutboxDeliverer
 from outbox_kit.persistence.database import Database
-from outbox_kit.polling.wake import WakeSignal
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory, WakeSignal, notify_channel
+from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.runtime.worker import Worker
-from outbox_kit.unit_of_work.capture import notify_channel
-from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.transports.bus import CircuitBreaker
 
 from .composition.diagnostics import warn_about_unsafe_configuration
 from .composition.edges import build_bus, build_http_metrics, build_signer, build_tokens, build_tracing
@@ -71,7 +65,7 @@ class Container(containers.DeclarativeContainer):
         providers.Callable(_provider, __self__, "bus"),
     )
     units_of_work = providers.Singleton(
-        UnitOfWorkFactory,
+        SqlUnitOfWorkFactory,
         database=database,
         writer=writer,
         after_commit=dispatcher,

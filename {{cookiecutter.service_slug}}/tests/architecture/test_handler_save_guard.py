@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.application.handler_types import handler_name
+from outbox_kit.application.handlers import handler_name
 from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
@@ -32,21 +32,16 @@ from outbox_kit.domain import (
     Message,
     applies,
 )
-from outbox_kit.persistence.audit_tables import InboxMessage
+from outbox_kit.persistence.database import HandlerMustNotSaveError
+from outbox_kit.persistence.repository import (
+    Repository,
+)
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
+    InboxMessage,
 )
-from outbox_kit.unit_of_work.factory import (
-    UnitOfWorkFactory,
-)
-from outbox_kit.unit_of_work.repository import (
-    Repository,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
-    HandlerMustNotSaveError,
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, SqlUnitOfWorkFactory
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -111,7 +106,7 @@ class CommitsItsUnitOfWork:
 class OpensASecondUnitOfWork:
     """Misbehaves: opens a unit of work of its own, enqueues an event and commits it."""
 
-    def __init__(self, units: UnitOfWorkFactory) -> None:
+    def __init__(self, units: SqlUnitOfWorkFactory) -> None:
         self.units = units
         self.errors: list[Exception] = []
 

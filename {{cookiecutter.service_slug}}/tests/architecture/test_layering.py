@@ -150,12 +150,17 @@ def test_the_domain_imports_only_the_standard_library_and_the_kits_domain() -> N
     )
 
 
+# The kit's concrete adapters: the buses, the subscriber wrapper and one layer per broker.
+KIT_ADAPTERS = ("consume.bus", "consume.subscribers", "transports.base", "transports.rabbit")
+KIT_ADAPTERS += ("transports.kafka", "transports.nats", "transports.redis")
+
+
 def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
-    """A concrete adapter: a context's ``infrastructure``, the kit's brokers (buses and transports)."""
+    """A concrete adapter: a context's ``infrastructure``, the kit's buses and broker layers."""
     parts = module.removeprefix(f"{package}.").split(".")
     if parts[0] == "contexts" and len(parts) >= 3 and parts[2] == "infrastructure":
         return True
-    return module == f"{kit}.brokers" or module.startswith(f"{kit}.brokers.")
+    return module.removeprefix(f"{kit}.") in KIT_ADAPTERS
 
 
 def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
@@ -331,19 +336,19 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
 ) -> None:
     package = f"adapter_probe_{uuid.uuid4().hex[:8]}"
     kit = f"{package}_kit"
-    brokers = f"{kit}.brokers"
     write_probe(
         tmp_path,
         package,
         {
             "__init__.py": "",
-            "container.py": f"from {brokers} import transports\n",
+            "container.py": f"from {kit}.transports import rabbit\n",
             "composition/__init__.py": "",
-            "composition/edges.py": f"from {brokers} import faststream_bus\n",
-            "kit/runtime.py": f"from {brokers} import faststream_bus\n",
-            "kit/brokers/__init__.py": "",
-            "kit/brokers/faststream_bus.py": f"from {brokers} import transports\n",
-            "kit/brokers/transports.py": "",
+            "composition/edges.py": f"from {kit}.consume import bus\n",
+            "kit/runtime.py": f"from {kit}.consume import bus\n",
+            "kit/consume/__init__.py": "",
+            "kit/consume/bus.py": f"from {kit}.transports import rabbit\n",
+            "kit/transports/__init__.py": "",
+            "kit/transports/rabbit.py": "",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
             "contexts/billing/module.py": f"from {package}.contexts.billing import infrastructure\n",
@@ -355,7 +360,7 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
 
     assert adapter_imports_outside_the_composition(package, kit) == [
         f"{package}.contexts.billing.services:1 imports {package}.contexts.billing.infrastructure",
-        f"{kit}.runtime:1 imports {kit}.brokers.faststream_bus",
+        f"{kit}.runtime:1 imports {kit}.consume.bus",
     ]
 
 
@@ -391,9 +396,8 @@ def importlinter_ini(package: str, kit: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-LAYERS = ("public", "testing", "runtime", "web", "brokers", "operations", "outbox", "inbox", "commands")
-LAYERS += ("idempotency", "unit_of_work", "messaging", "polling", "persistence", "application", "kernel")
-LAYERS += ("domain",)
+LAYERS = ("public", "testing", "runtime", "operations", "consume", "processor", "persistence", "transports")
+LAYERS += ("application", "domain")
 
 
 def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
@@ -413,8 +417,8 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
             "settings.py": "",
             "about.py": "",
             **{f"kit/{layer}/__init__.py": "" for layer in LAYERS},
-            "kit/kernel/clock.py": f"import {kit}.brokers\n",  # a floor imports upwards
-            "kit/application/handlers.py": f"import {package}.container\n",
+            "kit/application/observability.py": f"import {kit}.transports\n",  # a floor imports upwards
+            "kit/application/messages.py": f"import {package}.container\n",
             "kit/persistence/tables.py": f"import {package}.contexts.shipping.module\n",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
@@ -422,7 +426,7 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
             "contexts/billing/domain.py": f"import {kit}.persistence\n",
             "contexts/billing/infrastructure.py": "",
             "contexts/billing/application.py": f"import {package}.contexts.billing.infrastructure\n",
-            "contexts/billing/api.py": f"import {kit}.web\n",  # past the public surface
+            "contexts/billing/api.py": f"import {kit}.runtime\n",  # past the public surface
             "contexts/shipping/__init__.py": "",
             "contexts/shipping/module.py": "",
         },

@@ -1,6 +1,6 @@
 """Fitness rules of the outbox and the inbox, checked over the service's source.
 
-* Only the outbox processor publishes: no code outside the kit's ``outbox/deliverer.py``,
+* Only the outbox processor publishes: no code outside the kit's ``processor/deliverers.py``,
   the buses it publishes through and the transports themselves (dead-letter copies included;
   ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
   only the transports import a broker client library, so every integration event leaves
@@ -37,29 +37,23 @@ from typing import Any, TypeGuard, cast
 import pytest
 from outbox_kit.application.messages import (
     IntegrationEvent,
-)
-from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from outbox_kit.brokers.consume import (
-    ConsumeWrapper,
-)
-from outbox_kit.brokers.in_process import (
+from outbox_kit.consume.bus import (
     InProcessBus,
+)
+from outbox_kit.consume.inbox import (
+    ConsumePipeline,
+)
+from outbox_kit.consume.subscribers import (
+    ConsumeWrapper,
 )
 from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,
     validate_event_name,
 )
-from outbox_kit.inbox.pipeline import (
-    ConsumePipeline,
-)
-
-from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
-from {{ cookiecutter.package_name }}.container import Container
-
-from .callgraph import (
+from outbox_kit.testing import (
     CallGraph,
     ClassRef,
     FunctionSource,
@@ -70,6 +64,9 @@ from .callgraph import (
     type_name,
 )
 
+from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
+from {{ cookiecutter.package_name }}.container import Container
+
 pytestmark = pytest.mark.architecture
 
 PACKAGE = Container.__module__.partition(".")[0]
@@ -78,21 +75,21 @@ PUBLISH = frozenset({"publish", "publish_batch"})
 SUBSCRIBE = frozenset({"subscriber", "subscribe"})
 # Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
 MAY_PUBLISH = (
-    "outbox_kit/outbox/deliverer.py",  # the outbox processor's deliverer: the one publisher
-    "outbox_kit/messaging/bus.py",  # the MessageBus port declares it
-    "outbox_kit/brokers/faststream_bus.py",  # the bus the processor publishes through
-    "outbox_kit/brokers/in_process.py",  # the in-process bus
-    "outbox_kit/brokers/transports/",  # broker adapters, their retry and dead-letter copies
-    "outbox_kit/messaging/direct.py",  # outbox off, in-process only (brokers refuse it)
+    "outbox_kit/processor/deliverers.py",  # the outbox processor's deliverer: the one publisher
+    "outbox_kit/transports/bus.py",  # the MessageBus port; outbox off, in-process only (brokers refuse it)
+    "outbox_kit/consume/bus.py",  # the buses the processor publishes through (FastStream, in-process)
+    *(f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")),
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
 # broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.
 BROKER_CLIENTS = frozenset(
     {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
 )
-MAY_IMPORT_BROKER_CLIENTS = ("outbox_kit/brokers/transports/",)
-MAY_SUBSCRIBE = ("outbox_kit/brokers/",)
-CALLS_CONSUMER_HANDLERS = ("outbox_kit/inbox/pipeline.py",)
+MAY_IMPORT_BROKER_CLIENTS = tuple(
+    f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")
+)
+MAY_SUBSCRIBE = ("outbox_kit/consume/", *MAY_IMPORT_BROKER_CLIENTS)
+CALLS_CONSUMER_HANDLERS = ("outbox_kit/consume/inbox.py",)
 
 
 @dataclass(frozen=True)
@@ -229,8 +226,8 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
     kit = f"{package}_kit"
     files = {
         f"{kit}/__init__.py": "",
-        f"{kit}/brokers/__init__.py": "",
-        f"{kit}/brokers/transports/__init__.py": "import aio_pika\n",
+        f"{kit}/transports/__init__.py": "",
+        f"{kit}/transports/rabbit.py": "import aio_pika\n",
         f"{package}/__init__.py": "",
         f"{package}/billing/__init__.py": "",
         f"{package}/billing/application.py": (
@@ -262,7 +259,7 @@ def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
 def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> None:
     publishers = {site.path for site in attribute_sites(graph, PUBLISH, called=True)}
 
-    assert "outbox_kit/outbox/deliverer.py" in publishers
+    assert "outbox_kit/processor/deliverers.py" in publishers
 
 
 # -- integration events: stable, versioned, unique names --------------------------------------

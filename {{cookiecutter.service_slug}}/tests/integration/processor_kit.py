@@ -9,20 +9,20 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from outbox_kit.kernel.time_limits import TimeLimit
-from outbox_kit.kernel.tracing import (
+from outbox_kit.application.observability import (
     SpanKind,
+    TimeLimit,
 )
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.ports import SourceSettings
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import (
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import (
     TableSource,
 )
+from outbox_kit.processor.processor import SourceSettings
+from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.composition.relay import source_settings
 from {{ cookiecutter.package_name }}.container import Container

@@ -15,7 +15,7 @@ from outbox_kit.domain import (
     DomainError,
     NotFoundError,
 )
-from outbox_kit.web.errors import install_error_handlers
+from outbox_kit.runtime.errors import install_error_handlers
 
 from {{ cookiecutter.package_name }}.container import (
     Container,

@@ -25,33 +25,29 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
+from outbox_kit.application.context import capture_context, current_context
 from outbox_kit.application.messages import (
     IntegrationEvent,
-)
-from outbox_kit.application.registry import (
     MessageRegistry,
 )
-from outbox_kit.brokers.naming import (
-    EndpointNames,
+from outbox_kit.application.observability import Tracing
+from outbox_kit.application.otel import OpenTelemetryTracing
+from outbox_kit.consume.inbox import current_delivery
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
 )
-from outbox_kit.brokers.transports.nats import (
+from outbox_kit.transports.envelope import Envelope, Signer
+from outbox_kit.transports.nats import (
     NatsTransport,
 )
-from outbox_kit.brokers.transports.rabbit import (
+from outbox_kit.transports.rabbit import (
     TopologyMismatchError,
 )
-from outbox_kit.brokers.transports.redis_delivery import (
+from outbox_kit.transports.redis import (
     RedisDelivery,
 )
-from outbox_kit.inbox.delivery import current_delivery
-from outbox_kit.kernel.hops import capture
-from outbox_kit.kernel.otel import OpenTelemetryTracing
-from outbox_kit.kernel.request_context import current_context
-from outbox_kit.kernel.tracing import Tracing
-from outbox_kit.messaging.envelope import Envelope
-from outbox_kit.messaging.signing import Signer
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
+from outbox_kit.transports.settings import (
+    EndpointNames,
 )
 from sqlalchemy.engine import make_url
 
@@ -279,7 +275,7 @@ async def test_a_context_with_non_ascii_values_travels_across_the_broker(
 
 def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="acme"):
-        context = capture()
+        context = capture_context()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
     return Envelope(
         message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context
@@ -516,7 +512,7 @@ async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(sta
     orphan = Envelope(base.message_id, "kit.nobody-listens.v1", base.occurred_on, base.body, base.context)
     with pytest.raises(Exception, match="NO_ROUTE|delivery failed") as failure:
         await container.bus().publish(orphan)
-    from outbox_kit.messaging.circuit import (
+    from outbox_kit.transports.bus import (
         BrokerUnavailableError,
     )
 

@@ -23,21 +23,21 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.operations.replay import (
-    return_to_pending,
-)
-from outbox_kit.operations.tenant_scope import (
+from outbox_kit.operations.requests import (
     EVERY_TENANT,
+)
+from outbox_kit.operations.rows import (
+    return_to_pending,
 )
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX,
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import (
+from outbox_kit.processor.claim import (
     ClaimedRow,
 )
-from outbox_kit.polling.results import (
+from outbox_kit.transports.bus import (
     Delivered,
 )
 from sqlalchemy.exc import DBAPIError

@@ -18,11 +18,11 @@ from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.results import Delivered
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.container import (
     Container,

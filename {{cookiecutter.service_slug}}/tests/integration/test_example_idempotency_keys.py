@@ -12,10 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.audit_tables import (
-    IDEMPOTENCY_KEYS_TABLE,
-)
 from outbox_kit.persistence.tables import (
+    IDEMPOTENCY_KEYS_TABLE,
     OUTBOX_TABLE,
 )
 

@@ -20,20 +20,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-from outbox_kit.brokers.transports.base import (
+from outbox_kit.transports.base import (
+    DeadLetterCopy,
     ReceivedMessage,
 )
-from outbox_kit.brokers.transports.kafka_delivery import (
+from outbox_kit.transports.kafka import (
     KafkaDelivery,
 )
-from outbox_kit.brokers.transports.nats_delivery import (
+from outbox_kit.transports.nats import (
     NatsDelivery,
 )
-from outbox_kit.brokers.transports.ports import DeadLetterCopy
-from outbox_kit.brokers.transports.rabbit_delivery import (
+from outbox_kit.transports.rabbit import (
     RabbitDelivery,
 )
-from outbox_kit.brokers.transports.redis_delivery import (
+from outbox_kit.transports.redis import (
     RedisDelivery,
 )
 

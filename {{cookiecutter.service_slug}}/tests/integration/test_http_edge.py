@@ -18,16 +18,14 @@ import httpx
 import jwt
 import pytest
 from fastapi import APIRouter, Depends, status
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
 )
-from outbox_kit.unit_of_work.factory import (
-    UnitOfWorkFactory,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
+    SqlUnitOfWorkFactory,
 )
-from outbox_kit.web.dependencies import (
+from outbox_kit.runtime.http import (
     authenticated,
     units_of_work,
 )
@@ -43,14 +41,14 @@ from ..kit import install_kit, record_effect
 pytestmark = pytest.mark.integration
 MIB = 1024 * 1024
 Caller = Annotated[RequestContext, Depends(authenticated)]
-Units = Annotated[UnitOfWorkFactory, Depends(units_of_work)]
+Units = Annotated[SqlUnitOfWorkFactory, Depends(units_of_work)]
 
 
 class ProbeIn(BaseModel):
     label: str = Field(max_length=200)
 
 
-async def store(units: UnitOfWorkFactory, label: str) -> dict[str, str]:
+async def store(units: SqlUnitOfWorkFactory, label: str) -> dict[str, str]:
     async def operation(uow: SqlUnitOfWork) -> None:
         await record_effect(uow, label)
 

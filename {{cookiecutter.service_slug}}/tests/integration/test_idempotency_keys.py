@@ -1,4 +1,4 @@
-"""The framework's idempotency keys (``outbox_kit.idempotency``) on SQLite and PostgreSQL,
+"""The framework's idempotency keys (``outbox_kit.persistence.idempotency``) on SQLite and PostgreSQL,
 with the test kit's aggregate (the example's ``POST /orders`` is covered over HTTP in
 test_example_idempotency_keys.py): the key row commits with what the command created or not at
 all, concurrent runs with one key create one thing, the answer shows the saved version, and the
@@ -17,13 +17,13 @@ import sqlalchemy as sa
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.idempotency.keys import (
+from outbox_kit.persistence.idempotency import (
     Answer,
     IdempotencyKey,
     IdempotencyKeyReusedError,
     run_once,
 )
-from outbox_kit.persistence.audit_tables import (
+from outbox_kit.persistence.tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
 

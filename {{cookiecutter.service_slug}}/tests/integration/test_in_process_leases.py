@@ -22,11 +22,11 @@ from dependency_injector import providers
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claim import (
-    Claimer,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
+)
+from outbox_kit.processor.claim import (
+    Claimer,
 )
 
 from {{ cookiecutter.package_name }}.container import (

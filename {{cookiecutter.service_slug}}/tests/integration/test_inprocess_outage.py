@@ -4,7 +4,7 @@ the outbox row that carried the event is released uncharged, as for a local doma
 from __future__ import annotations
 
 import pytest
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from sqlalchemy.exc import DBAPIError

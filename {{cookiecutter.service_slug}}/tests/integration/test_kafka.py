@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from outbox_kit.brokers.transports.kafka import (
-    KafkaTransport,
-)
+from outbox_kit.transports.kafka import KafkaTransport
 
 from ..conftest import SERVICE_URLS, eventually
 from ..kit import CounterChangedV1

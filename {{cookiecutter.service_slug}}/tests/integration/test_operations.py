@@ -15,22 +15,20 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from outbox_kit.operations.requests import AdminError
-from outbox_kit.persistence.audit_tables import (
+from outbox_kit.persistence.tables import (
+    COMMAND_TABLE,
     DeadLetterReplay,
     InboxMessage,
+    InternalCommandRow,
 )
-from outbox_kit.persistence.tables import COMMAND_TABLE
-from outbox_kit.persistence.tables import (
-    InternalCommand as InternalCommandRow,
-)
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
-    PollingLoop,
-)
-from outbox_kit.polling.results import Delivered
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.processor import (
+    Processor,
+)
+from outbox_kit.transports.bus import Delivered
 from prometheus_client import generate_latest
 from sqlmodel import select
 
@@ -328,7 +326,7 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     seen: list[tuple[str | None, str]] = []
 
     async def run_command(command: RecordEffect, uow: SqlUnitOfWork) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 
@@ -361,7 +359,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
     container.handlers().on_command(RecordEffect, run_command)
     (commands,) = [s for s in container.sources() if s.name == "internal_commands"]
     wake = container.wake().subscribe()
-    loop = PollingLoop(commands, wake=wake, interval_seconds=30, clock=container.clock())
+    loop = Processor(commands, wake=wake, interval_seconds=30, clock=container.clock())
     task = asyncio.create_task(loop.run())
     try:
         await asyncio.sleep(0.3)  # the loop is idle, waiting out its 30 s interval

@@ -16,8 +16,8 @@ import pytest
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.results import Delivered
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.transports.bus import Delivered
 from sqlalchemy.exc import DataError
 
 from {{ cookiecutter.package_name }}.container import (

@@ -17,15 +17,14 @@ import sqlalchemy as sa
 from outbox_kit.domain import (
     DomainEvent,
 )
-from outbox_kit.messaging.outages import CircuitOpenError
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
-    PollingLoop,
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.processor import (
+    Processor,
 )
-from outbox_kit.polling.results import Delivered
+from outbox_kit.transports.bus import CircuitOpenError, Delivered
 from sqlalchemy.exc import DBAPIError
 
 from {{ cookiecutter.package_name }}.container import (
@@ -170,9 +169,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
     async def slow_then_steal(claimed: ClaimedRow) -> Delivered:
         renewed.append((await state(container, claimed.id)).locked_until)
         async with container.database().session() as session:  # another replica took row 2
-            from outbox_kit.unit_of_work.capture import (
-                OUTBOX_TABLE,
-            )
+            from outbox_kit.persistence.tables import OUTBOX_TABLE
 
             await session.exec(  # type: ignore[call-overload]
                 OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == second_id).values(lock_token=thief)
@@ -259,7 +256,7 @@ def claimed_token(item: ClaimedRow, source: Any) -> uuid.UUID:
 
 @pytest.fixture(autouse=True)
 def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    from outbox_kit.polling.source import (
+    from outbox_kit.processor.cycle import (
         TableSource,
     )
 
@@ -635,7 +632,7 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
         return Delivered.NEEDS_STAMP
 
     source = outbox_source(container, ScriptedDeliverer(fails_once), retry_backoff_base_seconds=0.5)
-    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=30, clock=container.clock())
+    loop = Processor(source, wake=asyncio.Event(), interval_seconds=30, clock=container.clock())
     task = asyncio.create_task(loop.run())
     try:
         deadline = time.monotonic() + 10
@@ -652,7 +649,7 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
     assert loop.cycles <= 6  # woke for the retry, no busy loop meanwhile
 
 
-async def run_loop_until(loop: PollingLoop, cycles: int, timeout: float = 20.0) -> None:
+async def run_loop_until(loop: Processor, cycles: int, timeout: float = 20.0) -> None:
     """Run the loop until it has turned ``cycles`` times (a count, not a time window: on a loaded
     machine or behind a slow first connection, a fixed window once saw no cycle at all)."""
     task = asyncio.create_task(loop.run())
@@ -668,8 +665,8 @@ async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytes
     """A quiet service polls every interval forever: those polls must not fill the logs (or the
     traces, see test_tracing), not even at DEBUG; only a cycle with work says anything."""
     source = outbox_source(container, ScriptedDeliverer())
-    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=0.05, clock=container.clock())
-    with caplog.at_level(logging.DEBUG, logger=PollingLoop.__module__.partition(".")[0]):
+    loop = Processor(source, wake=asyncio.Event(), interval_seconds=0.05, clock=container.clock())
+    with caplog.at_level(logging.DEBUG, logger=Processor.__module__.partition(".")[0]):
         await run_loop_until(loop, cycles=3)
     assert [r.getMessage() for r in caplog.records] == []
 
@@ -679,7 +676,7 @@ async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container)
     waits (a minute here) instead of sweeping on and charging every row a retry."""
     ids = await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
     source = outbox_source(container, ScriptedDeliverer(fail), batch_size=2, retry_backoff_base_seconds=60)
-    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
+    loop = Processor(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
     task = asyncio.create_task(loop.run())
     try:
         await eventually(lambda: loop.cycles >= 1, timeout=30)  # slow on a loaded machine
@@ -704,7 +701,7 @@ async def test_a_cycle_that_delivered_re_polls_at_once(container: Container) -> 
     )
     deliverer = ScriptedDeliverer()
     source = outbox_source(container, deliverer, batch_size=2)
-    loop = PollingLoop(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
+    loop = Processor(source, wake=asyncio.Event(), interval_seconds=60, clock=container.clock())
     task = asyncio.create_task(loop.run())
     try:
         for _ in range(300):
@@ -741,7 +738,7 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
     seen: list[tuple[str | None, str | None, str | None]] = []
 
     async def who(event: Created, uow: Any) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 

@@ -22,12 +22,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.tables import OUTBOX_TABLE
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.leases import LeaseStore
-from outbox_kit.polling.loop import CycleResult, PollingLoop
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import TableSource
+from outbox_kit.persistence.tables import OUTBOX_TABLE, LeaseStore
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.processor import CycleResult, Processor
+from outbox_kit.transports.bus import Delivered
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
@@ -201,7 +200,7 @@ async def test_a_group_the_database_keeps_refusing_fails_after_its_retries(
 async def test_an_empty_table_waits_the_idle_interval_only_while_the_wake_is_reliable(
     claimed: int, reliable: bool, expected: float
 ) -> None:
-    loop = PollingLoop(
+    loop = Processor(
         EmptySource(),
         wake=asyncio.Event(),
         interval_seconds=2.0,

@@ -25,11 +25,11 @@ from outbox_kit.application.messages import (
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.listener import PostgresListener
-from outbox_kit.polling.wake import WakeSignal
-from outbox_kit.unit_of_work.capture import (
+from outbox_kit.persistence.unit_of_work import (
+    WakeSignal,
     notify_channel,
 )
+from outbox_kit.processor.processor import PostgresListener
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 

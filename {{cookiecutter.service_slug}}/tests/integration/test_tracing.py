@@ -16,20 +16,18 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
-from outbox_kit.kernel.otel import OpenTelemetryTracing
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     current_context,
 )
+from outbox_kit.application.otel import OpenTelemetryTracing
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.unit_of_work.factory import (
-    UnitOfWorkFactory,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
+    SqlUnitOfWorkFactory,
 )
-from outbox_kit.web.dependencies import (
+from outbox_kit.runtime.http import (
     units_of_work,
 )
 
@@ -149,7 +147,7 @@ def writing_router() -> APIRouter:
     router = APIRouter()
 
     @router.post("/traced/{value}", status_code=201)
-    async def enqueue(value: int, units: Annotated[UnitOfWorkFactory, Depends(units_of_work)]) -> None:
+    async def enqueue(value: int, units: Annotated[SqlUnitOfWorkFactory, Depends(units_of_work)]) -> None:
         async def operation(uow: SqlUnitOfWork) -> None:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value))
 

@@ -24,21 +24,19 @@ from outbox_kit.domain import (
 )
 from outbox_kit.persistence.database import (
     Database,
+    HandlerMustNotSaveError,
 )
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
-    InternalCommand,
+    InternalCommandRow,
     OutboxMessage,
 )
-from outbox_kit.polling.claim import (
-    Claimer,
-)
-from outbox_kit.unit_of_work.capture import (
+from outbox_kit.persistence.unit_of_work import (
     RelayWriter,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
-    HandlerMustNotSaveError,
     SqlUnitOfWork,
+)
+from outbox_kit.processor.claim import (
+    Claimer,
 )
 from sqlalchemy.exc import OperationalError
 from sqlmodel import select
@@ -137,7 +135,7 @@ async def test_rollback_leaves_nothing_behind(kit: Kit) -> None:
             await uow.rollback()
     assert await outbox(kit.container) == []
     assert await fetch(kit.container, sa.select(COUNTERS)) == []
-    assert await fetch(kit.container, select(InternalCommand)) == []
+    assert await fetch(kit.container, select(InternalCommandRow)) == []
 
 
 class FailOnceAfterInserting(RelayWriter):
@@ -204,7 +202,7 @@ async def test_context_is_captured_on_every_row_and_roles_are_capped(kit: Kit) -
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=1))
             uow.schedule(RecordEffect(label="later"))
             await uow.commit()
-    rows = [*await outbox(kit.container), *await fetch(kit.container, select(InternalCommand))]
+    rows = [*await outbox(kit.container), *await fetch(kit.container, select(InternalCommandRow))]
     assert len(rows) == 3
     for row in rows:
         assert (row.tenant_id, row.user_id, row.correlation_id) == ("globex", "bob", "corr-77")
@@ -452,7 +450,7 @@ async def test_a_failed_savepoint_rolls_back_its_share_of_the_unit_of_work(kit: 
     assert [tuple(r) for r in rows] == [(kept.id, 2)]
     names = [(r.event_name, r.payload.get("value")) for r in await outbox(kit.container)]
     assert names == [("kit.created.v1", None), ("kit.incremented.v1", None), ("kit.counter-changed.v1", 2)]
-    assert await fetch(kit.container, sa.select(InternalCommand)) == []
+    assert await fetch(kit.container, sa.select(InternalCommandRow)) == []
     assert await kit.effects() == []
 
 
@@ -556,7 +554,7 @@ async def test_integration_events_and_commands_are_written_unleased(kit: Kit) ->
         "integration",
         "integration:c-1",
     )
-    (command,) = await fetch(kit.container, select(InternalCommand))
+    (command,) = await fetch(kit.container, select(InternalCommandRow))
     assert command.command_name == "kit.record-effect.v1"
     assert command.available_on == due
     assert command.lock_token is None
@@ -577,7 +575,7 @@ async def test_outbox_off_publishes_integration_events_directly(make_container: 
     received: list[tuple[int, str | None]] = []
 
     async def consume(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 

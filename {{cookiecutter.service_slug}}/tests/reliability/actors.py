@@ -18,36 +18,32 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import sqlalchemy as sa
-from outbox_kit.kernel.clock import (
-    system_clock,
-)
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     CapturedContext,
 )
-from outbox_kit.kernel.time_limits import TimeLimit
-from outbox_kit.kernel.tracing import (
+from outbox_kit.application.observability import (
     SpanKind,
-)
-from outbox_kit.messaging.envelope import (
-    Envelope,
+    TimeLimit,
+    system_clock,
 )
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.loop import (
-    PollingLoop,
-)
-from outbox_kit.polling.ports import SourceSettings
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import (
-    TableSource,
-)
-from outbox_kit.polling.wake import (
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
     WakeSignal,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import (
+    TableSource,
+)
+from outbox_kit.processor.processor import (
+    Processor,
+    SourceSettings,
+)
+from outbox_kit.transports.bus import Delivered
+from outbox_kit.transports.envelope import (
+    Envelope,
 )
 
 from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
@@ -140,7 +136,7 @@ async def processor(args: argparse.Namespace) -> None:
     )
     wake = WakeSignal()
     await asyncio.sleep(max(0.0, float(args.start_at) - time.time()))  # start together with the others
-    loop = PollingLoop(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
+    loop = Processor(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
     tasks = [asyncio.create_task(loop.run())]
     if args.listen:
         listener = build_listener(container.settings(), wake)

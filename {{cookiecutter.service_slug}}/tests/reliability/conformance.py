@@ -31,7 +31,7 @@ import sqlalchemy as sa
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 

@@ -70,12 +70,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="outcome writes (stamp, release, failure record) match the row id only, not the lock token",
         edits=(
             Edit(
-                f"{KIT}/polling/leases.py",
+                f"{KIT}/persistence/tables.py",
                 "return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)",
                 "return self._c.id.in_(list(ids))",
             ),
             Edit(
-                f"{KIT}/polling/leases.py",
+                f"{KIT}/persistence/tables.py",
                 ".where(self._c.id == row_id, self._c.lock_token == token)\n            .values(**values)",
                 ".where(self._c.id == row_id)\n            .values(**values)",
             ),
@@ -90,12 +90,12 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="the broker message is acknowledged before the handler's transaction (inbox row) commits",
         edits=(
             Edit(
-                f"{KIT}/brokers/consume.py",
+                f"{KIT}/consume/subscribers.py",
                 "        try:\n            async with keep_alive(delivery):\n",
                 "        await delivery.ack()\n        try:\n            async with keep_alive(delivery):\n",
             ),
             Edit(
-                f"{KIT}/brokers/consume.py",
+                f"{KIT}/consume/subscribers.py",
                 "reason=HANDLER_FAILED)\n            return\n        await delivery.ack()\n",
                 "reason=HANDLER_FAILED)\n            return\n",
             ),
@@ -109,7 +109,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="the claim takes any free keyed row, not only the head of its key",
         edits=(
             Edit(
-                f"{KIT}/polling/claim_parts.py",
+                f"{KIT}/processor/claim.py",
                 "        .where(no_earlier)\n",
                 "        .where(sa.true())\n",
             ),
@@ -137,7 +137,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         breaks="in-process dispatch runs a row's handlers without renewing its lease first",
         edits=(
             Edit(
-                f"{KIT}/outbox/in_process.py",
+                f"{KIT}/processor/in_process.py",
                 "            await self._leases.renew(row)\n",
                 "",
             ),

@@ -33,20 +33,20 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
-from outbox_kit.kernel.request_context import (
+from outbox_kit.application.context import (
     RequestContext,
     current_context,
     use_context,
 )
-from outbox_kit.kernel.time_limits import TimeLimit
-from outbox_kit.polling.claimed import ClaimedRow
-from outbox_kit.polling.results import Delivered
-from outbox_kit.polling.source import (
-    TableSource,
-)
-from outbox_kit.unit_of_work.unit_of_work import (
+from outbox_kit.application.observability import TimeLimit
+from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import (
+    TableSource,
+)
+from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
 from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker

@@ -34,11 +34,11 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.messaging.signing import Signer
-from outbox_kit.operations.tenant_scope import EVERY_TENANT
+from outbox_kit.operations.requests import EVERY_TENANT
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from outbox_kit.transports.envelope import Signer
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import Container

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.brokers.consume import CRASH_GUARD_ERROR
-from outbox_kit.kernel.hops import capture
-from outbox_kit.messaging.envelope import (
-    Envelope,
-)
+from outbox_kit.application.context import capture_context
+from outbox_kit.consume.subscribers import CRASH_GUARD_ERROR
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
+)
+from outbox_kit.transports.envelope import (
+    Envelope,
 )
 
 from {{ cookiecutter.package_name }}.container import (
@@ -251,7 +251,7 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
 
 def counter_message() -> Envelope:
     with acting_as():
-        context = capture()
+        context = capture_context()
     body = json.dumps(CounterChangedV1(counter_id="c", value=1).model_dump(mode="json")).encode()
     return Envelope(str(uuid.uuid4()), CounterChangedV1.message_name, datetime.now(UTC), body, context)
 

@@ -109,59 +109,48 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from outbox_kit.application.handler_types import (
-    Consumer,
-    Handler,
-)
+from outbox_kit.application.handlers import Consumer, Handler
 from outbox_kit.application.messages import (
     IntegrationEvent,
+)
+from outbox_kit.application.observability import (
+    SpanKind,
+    TimeLimit,
 )
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.inbox.pipeline import (
+from outbox_kit.consume.inbox import (
     ConsumeOutcome,
 )
-from outbox_kit.kernel.time_limits import TimeLimit
-from outbox_kit.kernel.tracing import (
-    SpanKind,
-)
-from outbox_kit.messaging.bus import (
-    MessageBus,
-)
-from outbox_kit.messaging.envelope import (
-    Envelope,
-)
-from outbox_kit.outbox.deliverer import (
-    OutboxDeliverer,
-)
-from outbox_kit.persistence.audit_tables import (
+from outbox_kit.persistence.tables import (
     INBOX_TABLE,
+    OUTBOX_TABLE,
     DeadLetterReplay,
 )
-from outbox_kit.persistence.tables import (
-    OUTBOX_TABLE,
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
 )
-from outbox_kit.polling.claim import (
+from outbox_kit.processor.claim import (
+    ClaimedRow,
     Claimer,
 )
-from outbox_kit.polling.claimed import (
-    ClaimedRow,
-)
-from outbox_kit.polling.loop import (
-    CycleResult,
-)
-from outbox_kit.polling.ports import (
-    SourceSettings,
-)
-from outbox_kit.polling.results import (
-    Delivered,
-)
-from outbox_kit.polling.source import (
+from outbox_kit.processor.cycle import (
     TableSource,
 )
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
+from outbox_kit.processor.deliverers import (
+    OutboxDeliverer,
+)
+from outbox_kit.processor.processor import (
+    CycleResult,
+    SourceSettings,
+)
+from outbox_kit.transports.bus import (
+    Delivered,
+    MessageBus,
+)
+from outbox_kit.transports.envelope import (
+    Envelope,
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 

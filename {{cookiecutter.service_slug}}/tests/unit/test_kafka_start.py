@@ -10,7 +10,7 @@ import asyncio
 from typing import Any
 
 import pytest
-from outbox_kit.brokers.transports.kafka import (
+from outbox_kit.transports.kafka import (
     KafkaTransport,
 )
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from outbox_kit.brokers.faststream_bus import (
+from outbox_kit.consume.bus import (
     FastStreamBus,
 )
-from outbox_kit.brokers.naming import (
+from outbox_kit.transports.settings import (
     EndpointNames,
 )
 

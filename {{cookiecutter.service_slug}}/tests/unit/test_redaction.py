@@ -5,7 +5,7 @@ from collections.abc import Iterator
 
 import pytest
 from fastapi import FastAPI
-from outbox_kit.kernel.redaction import (
+from outbox_kit.application.text import (
     mask_credentials,
 )
 

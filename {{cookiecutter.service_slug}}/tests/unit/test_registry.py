@@ -6,8 +6,6 @@ from typing import Any
 import pytest
 from outbox_kit.application.messages import (
     IntegrationEvent,
-)
-from outbox_kit.application.registry import (
     MalformedPayloadError,
     MessageRegistry,
     RegistryError,
@@ -105,10 +103,7 @@ def test_upcaster_cycles_duplicates_and_dead_ends_are_refused() -> None:
 
 def test_the_container_refuses_inconsistent_modules_at_start_up() -> None:
     """``build_registry`` is what start-up runs: it validates after every module registered."""
-    from outbox_kit.application.module import (
-        Module,
-        UpcasterSpec,
-    )
+    from outbox_kit.application.handlers import Module, UpcasterSpec
 
     from {{ cookiecutter.package_name }}.container import (
         build_registry,

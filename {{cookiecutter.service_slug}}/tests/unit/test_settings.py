@@ -5,13 +5,12 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from outbox_kit.kernel.no_tracing import NoTracing
-from outbox_kit.kernel.otel import (
+from outbox_kit.application.observability import NoTracing, SpanKind
+from outbox_kit.application.otel import (
     OpenTelemetryTracing,
     otlp_processor,
 )
-from outbox_kit.kernel.tracing import SpanKind
-from outbox_kit.messaging.header_names import LIMITS
+from outbox_kit.transports.envelope import LIMITS
 from pydantic import BaseModel, ValidationError
 
 from {{ cookiecutter.package_name }}.composition.edges import build_tracing

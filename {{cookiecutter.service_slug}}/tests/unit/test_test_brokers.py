@@ -25,30 +25,25 @@ from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
-from outbox_kit.application.handlers import (
-    HandlerRegistry,
-)
-from outbox_kit.application.registry import (
+from outbox_kit.application.context import capture_context
+from outbox_kit.application.handlers import HandlerRegistry
+from outbox_kit.application.messages import (
     MessageRegistry,
 )
-from outbox_kit.brokers.naming import (
-    EndpointNames,
+from outbox_kit.persistence.unit_of_work import (
+    SqlUnitOfWork,
 )
-from outbox_kit.brokers.transports.headers import undecoded_body
-from outbox_kit.brokers.transports.kafka import KafkaTransport
-from outbox_kit.brokers.transports.kafka_delivery import (
+from outbox_kit.transports.base import undecoded_body
+from outbox_kit.transports.envelope import Envelope, Signer
+from outbox_kit.transports.kafka import (
     ATTEMPT,
     NOT_BEFORE,
     KafkaDelivery,
-)
-from outbox_kit.brokers.transports.kafka_topics import (
     KafkaTopologyError,
+    KafkaTransport,
 )
-from outbox_kit.kernel.hops import capture
-from outbox_kit.messaging.envelope import Envelope
-from outbox_kit.messaging.signing import Signer
-from outbox_kit.unit_of_work.unit_of_work import (
-    SqlUnitOfWork,
+from outbox_kit.transports.settings import (
+    EndpointNames,
 )
 
 from {{ cookiecutter.package_name }}.container import (
@@ -105,7 +100,7 @@ class Observer:
         self.seen: list[tuple[str | None, str | None]] = []
 
     async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
-        from outbox_kit.kernel.request_context import (
+        from outbox_kit.application.context import (
             current_context,
         )
 
@@ -146,7 +141,7 @@ async def in_memory(
 
 def envelope(value: int, message_id: str | None = None) -> Envelope:
     with acting_as(tenant="globex", user="bob"):
-        context = capture()
+        context = capture_context()
     body = json.dumps(CounterChangedV1(counter_id="c", value=value).model_dump(mode="json")).encode()
     return Envelope(
         message_id or str(uuid.uuid4()), "kit.counter-changed.v1", datetime.now(UTC), body, context

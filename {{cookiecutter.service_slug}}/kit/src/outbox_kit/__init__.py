@@ -3,7 +3,8 @@
 It knows no service: a service composes its settings models, registers its messages and
 handlers, and imports what its contexts use from :mod:`outbox_kit.public` (and
 :mod:`outbox_kit.domain` in a domain layer). Everything else is internal and may change between
-versions; ``CHANGELOG.md`` says what did.
-"""
+versions; ``CHANGELOG.md`` says what did."""
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+__version__ = "0.2.0"

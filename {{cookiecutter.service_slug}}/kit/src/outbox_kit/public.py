@@ -19,29 +19,32 @@ breaking your code.
   :func:`units_of_work`; for a create command, :func:`idempotency_key` (the ``Idempotency-Key``
   header), :func:`run_once` and :func:`idempotent_response` (a retried request runs once);
 * tables: ``JSON_TYPE`` (JSON on SQLite, JSONB on PostgreSQL), :func:`upsert` (an atomic
-  ``INSERT ... ON CONFLICT`` on either database: counters and create-unless-present).
-"""
+  ``INSERT ... ON CONFLICT`` on either database: counters and create-unless-present)."""
 
-from .application.handler_types import Handler
-from .application.handlers import HandlerRegistry
-from .application.messages import IntegrationEvent, InternalCommand
-from .application.module import Module, UpcasterSpec
-from .application.unit_of_work import (
+from __future__ import annotations
+
+from outbox_kit.application.context import RequestContext, current_context
+from outbox_kit.application.handlers import Handler, HandlerRegistry, Module, UpcasterSpec
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand
+from outbox_kit.application.unit_of_work import (
     Adapter,
     AdapterScope,
     TransactionalUnitOfWork,
     UnitOfWork,
     UnitOfWorkFactory,
 )
-from .idempotency.keys import IdempotencyKey, IdempotencyKeyReusedError, run_once
-from .inbox.delivery import Delivery, current_delivery
-from .kernel.request_context import RequestContext, current_context
-from .persistence.tables import JSON_TYPE
-from .persistence.upsert import upsert
-from .unit_of_work.repository import Repository
-from .web.dependencies import authenticated, require_role, units_of_work
-from .web.errors import STORABLE_TEXT, ErrorOut, error_responses
-from .web.idempotency import idempotency_key, idempotent_response
+from outbox_kit.consume.inbox import Delivery, current_delivery
+from outbox_kit.persistence.idempotency import IdempotencyKey, IdempotencyKeyReusedError, run_once
+from outbox_kit.persistence.repository import Repository
+from outbox_kit.persistence.tables import JSON_TYPE, upsert
+from outbox_kit.runtime.errors import STORABLE_TEXT, ErrorOut, error_responses
+from outbox_kit.runtime.http import (
+    authenticated,
+    idempotency_key,
+    idempotent_response,
+    require_role,
+    units_of_work,
+)
 
 __all__ = [
     "JSON_TYPE",

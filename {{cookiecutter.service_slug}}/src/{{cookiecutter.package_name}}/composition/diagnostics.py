@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from outbox_kit.unit_of_work.capture import RelayWriter
-from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory
 
 from ..settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def warn_about_unsafe_configuration(settings: Settings, units: UnitOfWorkFactory) -> None:
+def warn_about_unsafe_configuration(settings: Settings, units: SqlUnitOfWorkFactory) -> None:
     """Warn about configurations that silently lose or duplicate messages."""
     bus = settings.message_bus
     if units.outbox_enabled != bus.outbox_enabled or not isinstance(units.writer, RelayWriter):

@@ -6,23 +6,19 @@ import os
 from datetime import timedelta
 
 from outbox_kit.application.handlers import HandlerRegistry
-from outbox_kit.application.registry import MessageRegistry
-from outbox_kit.brokers.in_process import InProcessBus
-from outbox_kit.inbox.pipeline import ConsumePipeline
-from outbox_kit.kernel.clock import system_clock
-from outbox_kit.kernel.metrics import RelayMetrics
-from outbox_kit.kernel.no_tracing import NoTracing
-from outbox_kit.kernel.otel import OpenTelemetryTracing
-from outbox_kit.kernel.tracing import Tracing
-from outbox_kit.messaging.bus import MessageBus
-from outbox_kit.messaging.signing import Signer
-from outbox_kit.web.auth import TokenService
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.application.observability import NoTracing, RelayMetrics, Tracing, system_clock
+from outbox_kit.application.otel import OpenTelemetryTracing
+from outbox_kit.consume.bus import InProcessBus
+from outbox_kit.consume.inbox import ConsumePipeline
+from outbox_kit.runtime.http import TokenService
+from outbox_kit.transports.bus import MessageBus
+from outbox_kit.transports.envelope import Signer
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from ..about import SERVICE_SLUG
-from ..settings import Settings
-from ..settings import Tracing as TracingChoice
+from ..settings import Settings, TracingBackend
 
 
 def build_signer(settings: Settings) -> Signer:
@@ -48,7 +44,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
             signer=signer,
             handler_timeout_seconds=settings.message_bus.handler_timeout_seconds,
         )
-    from outbox_kit.brokers.faststream_bus import FastStreamBus  # noqa: PLC0415
+    from outbox_kit.consume.bus import FastStreamBus  # noqa: PLC0415
 
     return FastStreamBus(
         settings=settings.message_bus,
@@ -63,7 +59,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
 
 
 def build_tracing(settings: Settings) -> Tracing:
-    if settings.telemetry.tracing is TracingChoice.OTEL:
+    if settings.telemetry.tracing is TracingBackend.OTEL:
         return OpenTelemetryTracing(service_name=os.environ.get("OTEL_SERVICE_NAME") or SERVICE_SLUG)
     return NoTracing()
 

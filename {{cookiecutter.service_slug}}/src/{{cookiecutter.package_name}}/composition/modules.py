@@ -5,10 +5,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from outbox_kit.application.discovery import discover_modules, import_table_modules
-from outbox_kit.application.handlers import HandlerRegistry
-from outbox_kit.application.module import Module
-from outbox_kit.application.registry import MessageRegistry
+from outbox_kit.application.handlers import HandlerRegistry, Module, discover_modules, import_table_modules
+from outbox_kit.application.messages import MessageRegistry
 
 
 def _contexts() -> ModuleType:

@@ -9,24 +9,17 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from outbox_kit.application.handlers import HandlerRegistry
-from outbox_kit.application.registry import MessageRegistry
-from outbox_kit.commands.deliverer import CommandDeliverer
-from outbox_kit.kernel.clock import system_clock
-from outbox_kit.kernel.metrics import RelayMetrics
-from outbox_kit.kernel.tracing import Tracing
-from outbox_kit.messaging.bus import MessageBus
-from outbox_kit.messaging.direct import DirectPublisher
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.application.observability import RelayMetrics, Tracing, system_clock
 from outbox_kit.operations.retention import RetentionPolicy
-from outbox_kit.outbox.deliverer import OutboxDeliverer
-from outbox_kit.outbox.in_process import LocalDispatcher
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
-from outbox_kit.polling.listener import PostgresListener
-from outbox_kit.polling.ports import Deliverer, SourceSettings
-from outbox_kit.polling.source import TableSource
-from outbox_kit.polling.wake import WakeSignal
-from outbox_kit.unit_of_work.capture import RelayWriter, notify_channel
-from outbox_kit.unit_of_work.factory import UnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory, WakeSignal, notify_channel
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
+from outbox_kit.processor.in_process import LocalDispatcher
+from outbox_kit.processor.processor import Deliverer, PostgresListener, SourceSettings
+from outbox_kit.transports.bus import DirectPublisher, MessageBus
 
 from ..settings import Settings
 
@@ -55,7 +48,7 @@ def build_dispatcher(  # noqa: PLR0917 (the container passes providers positiona
     handlers: HandlerRegistry,
     registry: MessageRegistry,
     metrics: RelayMetrics,
-    units: Callable[[], UnitOfWorkFactory],
+    units: Callable[[], SqlUnitOfWorkFactory],
     bus: Callable[[], MessageBus],
 ) -> LocalDispatcher:
     """The in-process dispatcher; it reaches the factory and the bus through their providers
@@ -75,20 +68,7 @@ def build_dispatcher(  # noqa: PLR0917 (the container passes providers positiona
 
 
 def source_settings(settings: Settings) -> SourceSettings:
-    o = settings.outbox
-    # SQLite has one writer: concurrent deliveries would only queue on its lock.
-    concurrency = o.delivery_concurrency if settings.database.is_postgresql else 1
-    return SourceSettings(
-        batch_size=o.batch_size,
-        delivery_concurrency=concurrency,
-        claim_window=o.effective_claim_window,
-        lease_seconds=o.lease_seconds,
-        delivery_timeout_seconds=o.delivery_timeout_seconds,
-        renew_below_seconds=o.renew_below_seconds,
-        max_retries=o.max_retries,
-        retry_backoff_base_seconds=o.retry_backoff_base_seconds,
-        shutdown_timeout_seconds=o.shutdown_timeout_seconds,
-    )
+    return SourceSettings.of(settings.outbox, single_writer=not settings.database.is_postgresql)
 
 
 def build_sources(  # noqa: PLR0917 (the container passes providers positionally)
@@ -121,12 +101,8 @@ def build_sources(  # noqa: PLR0917 (the container passes providers positionally
 
 
 def retention_policy(settings: Settings) -> RetentionPolicy:
-    return RetentionPolicy(
-        retention_days=settings.outbox.retention_days,
-        dead_letter_days=settings.outbox.dead_letter_window_days,
-        inbox_retention_days=settings.inbox.retention_days,
-        idempotency_key_hours=settings.api.idempotency_key_retention_hours,
-        batch_size=settings.outbox.cleanup_batch_size,
+    return RetentionPolicy.of(
+        settings.outbox, settings.inbox, idempotency_key_hours=settings.api.idempotency_key_retention_hours
     )
 
 

@@ -7,14 +7,12 @@ asked (``run``), starts the worker in the same process. ``create_worker_app`` is
 """
 
 from fastapi import FastAPI
-from outbox_kit.web.edge import RequestEdgeMiddleware
-from outbox_kit.web.errors import error_responses, install_error_handlers
-from outbox_kit.web.http import RequestContextMiddleware
-from outbox_kit.web.request_tracing import trace_requests
+from outbox_kit.runtime.admin_api import build_admin_router
+from outbox_kit.runtime.errors import error_responses, install_error_handlers
+from outbox_kit.runtime.http import RequestContextMiddleware, RequestEdgeMiddleware, trace_requests
 
 from ..about import DESCRIPTION, SERVICE_NAME
 from ..container import Container
-from .admin_api import build_admin_router
 from .health import add_asyncapi_route, add_probe_routes
 from .lifespan import lifespan
 
@@ -29,7 +27,7 @@ def create_app(container: Container, *, with_worker: bool = False) -> FastAPI:
         lifespan=lifespan(container, with_worker=with_worker),
         # What the edge answers for any operation: a refused header, a body too slow or too
         # large, text no database stores or a non-finite number, a database that did not answer
-        # in time (see outbox_kit.web).
+        # in time (see outbox_kit.runtime.http).
         responses=error_responses(400, 408, 413, 422, 503),
     )
     app.state.container = container

@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from outbox_kit.web.auth import InvalidTokenError
+from outbox_kit.runtime.http import InvalidTokenError
 
 from ..about import SERVICE_NAME
 from ..container import Container, build_container

@@ -14,8 +14,7 @@ from datetime import datetime
 from typing import TypeVar
 
 from outbox_kit.operations.admin import RelayAdministration
-from outbox_kit.operations.requests import AdminError
-from outbox_kit.operations.tenant_scope import EVERY_TENANT, TenantScope
+from outbox_kit.operations.requests import EVERY_TENANT, AdminError, TenantScope
 
 from ..container import Container
 from .cli_errors import CliError

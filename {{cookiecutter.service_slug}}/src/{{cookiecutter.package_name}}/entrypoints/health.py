@@ -15,9 +15,9 @@ from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
-from outbox_kit.brokers.asyncapi import asyncapi_document
-from outbox_kit.kernel.redaction import mask_credentials
+from outbox_kit.application.text import mask_credentials
 from outbox_kit.runtime.worker import Worker
+from outbox_kit.transports.asyncapi import asyncapi_document
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..about import DESCRIPTION, SERVICE_NAME

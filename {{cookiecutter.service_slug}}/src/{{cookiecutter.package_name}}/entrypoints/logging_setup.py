@@ -7,7 +7,7 @@ newline in a message id cannot start a forged record, an ESC cannot repaint a te
 surrogate cannot break the write), and the lines of a traceback or stack follow it indented.
 Escaping here, once, covers every log call. The JSON format needs nothing more: ``json.dumps``
 escapes control characters and surrogates inside each value. In both formats a URL's password is
-masked, in the message and in the traceback (``outbox_kit.kernel.redaction``).
+masked, in the message and in the traceback (``outbox_kit.application.text``).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import sys
 
-from outbox_kit.kernel.redaction import CredentialMaskingFilter
+from outbox_kit.application.text import CredentialMaskingFilter
+from outbox_kit.runtime.log_formats import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 
 from ..settings import LoggingSettings
-from .log_formats import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 
 
 def configure_logging(settings: LoggingSettings) -> None:

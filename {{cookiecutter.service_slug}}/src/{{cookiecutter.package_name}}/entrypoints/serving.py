@@ -11,7 +11,7 @@ import socket
 import sys
 from typing import TYPE_CHECKING
 
-from outbox_kit.kernel.redaction import mask_credentials
+from outbox_kit.application.text import mask_credentials
 
 from ..about import SERVICE_NAME
 from ..container import Container
@@ -59,8 +59,7 @@ async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) 
     cancelled (their transactions roll back), so one stuck on a lock or a silent dependency
     cannot hold the process; then the lifespan stops the rest within its own deadline."""
     import uvicorn  # noqa: PLC0415 (not needed by the other commands)
-
-    from .http_server import server_config  # noqa: PLC0415 (imports uvicorn)
+    from outbox_kit.runtime.server import server_config  # noqa: PLC0415 (imports uvicorn)
 
     server = uvicorn.Server(server_config(app, settings.api, settings.logging.level))
     setattr(app.state, FORCE_EXIT_STATE, True)  # a process of its own: see ``stopping``

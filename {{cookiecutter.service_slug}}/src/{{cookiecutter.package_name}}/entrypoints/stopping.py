@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 
-from outbox_kit.kernel.tracing import Tracing
+from outbox_kit.application.observability import Tracing
 from outbox_kit.runtime.worker import Worker
 
 from ..container import Container

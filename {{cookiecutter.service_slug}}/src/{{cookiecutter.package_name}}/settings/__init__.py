@@ -5,24 +5,24 @@ own, or in the framework's (the message bus and the database: the framework read
 name is re-exported here, so ``from <package>.settings import ...`` is the import.
 """
 
-from outbox_kit.messaging.settings import (
+from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.runtime.settings import ApiSettings
+from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
     MessageBusSettings,
     Transport,
 )
-from outbox_kit.persistence.settings import DatabaseSettings
 
 from .auth import DEV_JWT_SECRET, MIN_JWT_SECRET_BYTES, AuthSettings
-from .relay import InboxSettings, OutboxSettings
 from .root import Settings
 from .service import (
-    ApiSettings,
     ApplicationSettings,
     Environment,
     LoggingSettings,
     TelemetrySettings,
-    Tracing,
+    TracingBackend,
     WorkerSettings,
 )
 
@@ -42,7 +42,7 @@ __all__ = [
     "OutboxSettings",
     "Settings",
     "TelemetrySettings",
-    "Tracing",
+    "TracingBackend",
     "Transport",
     "WorkerSettings",
 ]

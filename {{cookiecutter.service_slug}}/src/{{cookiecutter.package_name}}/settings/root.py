@@ -14,19 +14,19 @@ from __future__ import annotations
 import math
 from typing import Self
 
-from outbox_kit.messaging.settings import (
+from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.runtime.settings import ApiSettings
+from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
     MessageBusSettings,
 )
-from outbox_kit.persistence.settings import DatabaseSettings
 from pydantic import model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .auth import AuthSettings
-from .relay import InboxSettings, OutboxSettings
 from .service import (
-    ApiSettings,
     ApplicationSettings,
     Environment,
     LoggingSettings,

@@ -1,4 +1,10 @@
-"""Where handlers are registered: the single source the dispatcher, the processors, the
+"""Handlers, the registry that routes messages to them, and the modules that register them.
+
+What a handler is: a callable of the message and the unit of work it must not commit; and a
+consumer: an integration-event handler with the durable name its inbox rows and queues use,
+and handler_name, the readable dotted name of any handler for logs and errors.
+
+Where handlers are registered: the single source the dispatcher, the processors, the
 consumers and the architecture tests all read.
 
 A handler receives the message and the unit of work that owns the current transaction. It may
@@ -6,17 +12,61 @@ load and mutate aggregates, raise events, enqueue integration events and schedul
 commands; it never commits. The unit of work persists its effects together with the delivery
 record (processed stamp or inbox row), which is what makes a redelivery safe. See
 ``tests/architecture`` for the rule that proves it statically.
-"""
+
+The contract between a bounded context and the composition root.
+
+Each bounded context exposes ``contexts/<name>/module.py`` with a ``module()`` function
+returning a :class:`Module`. The container discovers them (any folder of ``contexts/`` with a
+``module.py``), so adding a context needs no edit elsewhere, and removing the example is
+deleting its folders.
+
+Finding the bounded contexts: every folder of contexts/ with a module.py defining module() ->
+Module, imported in name order, with its table modules."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from ..domain.events import DomainEvent, Message
-from .handler_types import Consumer, Handler, M
-from .messages import IntegrationEvent, InternalCommand
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand, Upcaster
+from outbox_kit.application.unit_of_work import Adapter, UnitOfWork
+from outbox_kit.domain import DomainEvent, Message
+
+if TYPE_CHECKING:
+    from fastapi import APIRouter  # an external type only: no import cycle to break
+import importlib
+import pkgutil
+from types import ModuleType
+
+M_contra = TypeVar("M_contra", bound=Message, contravariant=True)
+M = TypeVar("M", bound=Message)
+
+
+class Handler(Protocol[M_contra]):
+    """Reacts to one message inside a unit of work it must not commit."""
+
+    def __call__(self, message: M_contra, uow: UnitOfWork, /) -> Awaitable[None]: ...
+
+
+def handler_name(handler: object) -> str:
+    """A readable dotted name for logs and error messages."""
+    target = handler
+    if not hasattr(target, "__qualname__"):
+        target = type(handler)
+    module = getattr(target, "__module__", "?")
+    return f"{module}.{getattr(target, '__qualname__', repr(target))}"
+
+
+@dataclass(frozen=True)
+class Consumer(Generic[M]):
+    """An integration-event handler with the durable name its inbox rows and queues use."""
+
+    name: str
+    event_type: type[M]
+    handler: Handler[M]
+
 
 K = TypeVar("K", bound=Message)
 
@@ -82,3 +132,66 @@ class HandlerRegistry:
             "integration-event": [c.handler for c in self._consumers.values()],
             "internal-command": list(self._commands.values()),
         }
+
+
+@dataclass(frozen=True)
+class UpcasterSpec:
+    """Read payloads stored under ``source`` as ``target`` (one version step)."""
+
+    source: str
+    target: str
+    upcast: Upcaster
+
+
+@dataclass(frozen=True)
+class Module:
+    """What a bounded context contributes: messages, handlers, HTTP routes, table modules."""
+
+    name: str
+    messages: Sequence[type[Message]] = ()
+    upcasters: Sequence[UpcasterSpec] = ()
+    register_handlers: Callable[[HandlerRegistry], None] | None = None
+    routers: Sequence[APIRouter] = ()
+    table_modules: Sequence[str] = field(default_factory=tuple)
+    adapters: Mapping[type[Any], Adapter] = field(default_factory=dict)
+    """Port (a Protocol the use cases ask ``uow.repository`` for) -> adapter class."""
+
+
+def collect_adapters(modules: Sequence[Module]) -> dict[type[Any], Adapter]:
+    """Every context's port -> adapter map; one port claimed twice is refused."""
+    adapters: dict[type[Any], Adapter] = {}
+    for module in modules:
+        for port, adapter in module.adapters.items():
+            if port in adapters:
+                msg = f"port {port.__qualname__} has two adapters (module {module.name})"
+                raise TypeError(msg)
+            adapters[port] = adapter
+    return adapters
+
+
+def discover_modules(contexts: ModuleType) -> list[Module]:
+    """Import ``<contexts>.<name>.module`` for every context folder, in name order (a folder
+    without ``module.py`` is not a context and is skipped)."""
+    found: list[Module] = []
+    for info in sorted(pkgutil.iter_modules(contexts.__path__), key=lambda i: i.name):
+        if not info.ispkg:
+            continue
+        try:
+            contributed = importlib.import_module(f"{contexts.__name__}.{info.name}.module")
+        except ModuleNotFoundError as error:
+            if error.name == f"{contexts.__name__}.{info.name}.module":
+                continue
+            raise
+        factory = getattr(contributed, "module", None)
+        if not callable(factory):
+            msg = f"{contributed.__name__} must define module() -> Module"
+            raise TypeError(msg)
+        found.append(factory())
+    return found
+
+
+def import_table_modules(modules: Sequence[Module]) -> None:
+    """Import every context's table definitions so SQLModel's metadata knows them."""
+    for module in modules:
+        for name in module.table_modules:
+            importlib.import_module(name)

@@ -4,13 +4,12 @@ Use cases and handlers get a :class:`UnitOfWork`: they load and add aggregates t
 ``repository(Port)``, enqueue integration events, schedule internal commands and may open a
 savepoint. They cannot reach the database session, the lease stamps or the inbox staging: a
 handler's effects are saved by whoever delivered the message to it (see ``commit`` in
-``unit_of_work.unit_of_work``), together with the delivery record, which is what makes a
+``persistence.unit_of_work``), together with the delivery record, which is what makes a
 redelivery safe. Entry points (HTTP routes, the CLI) drive a :class:`TransactionalUnitOfWork`
 from a :class:`UnitOfWorkFactory`: open it, run an operation, commit.
 
 Adapters (repositories, read-model stores) are built per unit of work from an
-:class:`AdapterScope`: the transaction's session and the aggregate tracking a repository needs.
-"""
+:class:`AdapterScope`: the transaction's session and the aggregate tracking a repository needs."""
 
 from __future__ import annotations
 
@@ -22,8 +21,8 @@ from typing import Any, Protocol, Self, TypeVar
 
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from ..domain.aggregate import AggregateRoot
-from .messages import IntegrationEvent, InternalCommand
+from outbox_kit.application.messages import IntegrationEvent, InternalCommand
+from outbox_kit.domain import AggregateRoot
 
 P = TypeVar("P")
 T = TypeVar("T")

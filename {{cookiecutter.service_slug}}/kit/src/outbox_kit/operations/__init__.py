@@ -1,0 +1,1 @@
+"""Operating the relay: what an operator can see and do, and retention."""

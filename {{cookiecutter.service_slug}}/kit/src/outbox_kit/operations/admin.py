@@ -2,14 +2,13 @@
 pending rows, explain one row.
 
 Exposed by the admin API and the CLI, always within a tenant scope, with readable errors for what
-an operator can fix (``requests``); what they show never includes a payload (``views``); why a
+an operator can fix (``requests``); what they show never includes a payload (``requests``); why a
 row is or is not moving is ``explain``'s.
 
 Replay returns dead letters to the pending pool with ``retry_count = 0`` and the lease cleared,
 keeps ``last_error`` (the first thing anyone asks after a replay) and keeps ``occurred_on`` and
 ``seq`` (the row keeps its place in its ordering key), and records who replayed how many, when.
-It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole request.
-"""
+It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole request."""
 
 from __future__ import annotations
 
@@ -17,15 +16,25 @@ from collections.abc import Callable, Sequence
 
 import sqlalchemy as sa
 
-from ..kernel.clock import Clock
-from ..persistence.audit_tables import DeadLetterReplay
-from ..persistence.database import Database
-from ..polling.wake import wake_replicas
-from .explain import explain_row
-from .replay import refuse_unless_replayable, return_to_pending
-from .requests import MAX_OFFSET, MAX_PAGE, AdminError, one_source, parse_ids, sources_named
-from .tenant_scope import EVERY_TENANT, TenantScope
-from .views import DeadLetter, Explanation, PendingCount, ReplayResult
+from outbox_kit.application.observability import Clock
+from outbox_kit.operations.requests import (
+    EVERY_TENANT,
+    MAX_OFFSET,
+    MAX_PAGE,
+    AdminError,
+    DeadLetter,
+    Explanation,
+    PendingCount,
+    ReplayResult,
+    TenantScope,
+    one_source,
+    parse_ids,
+    sources_named,
+)
+from outbox_kit.operations.rows import explain_row, refuse_unless_replayable, return_to_pending
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.tables import DeadLetterReplay
+from outbox_kit.persistence.unit_of_work import wake_replicas
 
 
 class RelayAdministration:

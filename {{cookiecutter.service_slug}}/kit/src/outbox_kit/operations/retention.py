@@ -10,8 +10,7 @@ evidence for diagnosis and replay) after they were dead-lettered, inbox rows
 a replayed dead letter that failed again would vanish before anyone read it). Deletion cannot be
 undone, so every sweep that removed rows logs one Warning per table naming the counts. Deletes run
 in bounded batches, each its own short transaction, through indexes that contain no pending row, so
-the claim's hot path is never locked for long.
-"""
+the claim's hot path is never locked for long."""
 
 from __future__ import annotations
 
@@ -19,14 +18,14 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Self
 
 import sqlalchemy as sa
 
-from ..kernel.clock import Clock
-from ..kernel.metrics import RelayMetrics
-from ..persistence.audit_tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE
-from ..persistence.database import Database
-from ..persistence.tables import POLLED_TABLES
+from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE, POLLED_TABLES
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 
 log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE
@@ -40,6 +39,17 @@ class RetentionPolicy:
     inbox_retention_days: int
     batch_size: int
     idempotency_key_hours: float  # 0 keeps idempotency keys for ever
+
+    @classmethod
+    def of(cls, outbox: OutboxSettings, inbox: InboxSettings, *, idempotency_key_hours: float) -> Self:
+        """The policy from ``OUTBOX__*`` and ``INBOX__*`` (and ``API__IDEMPOTENCY_KEY_RETENTION_HOURS``)."""
+        return cls(
+            retention_days=outbox.retention_days,
+            dead_letter_days=outbox.dead_letter_window_days,
+            inbox_retention_days=inbox.retention_days,
+            idempotency_key_hours=idempotency_key_hours,
+            batch_size=outbox.cleanup_batch_size,
+        )
 
 
 class RetentionCleaner:

@@ -1,1 +1,2 @@
-"""Engine and sessions, the outbox/inbox/internal-command tables, and the unit of work."""
+"""The database: tables, the unit of work and repositories, the relay rows' guarded writes, and
+idempotency keys."""

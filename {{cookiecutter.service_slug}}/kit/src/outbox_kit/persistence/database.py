@@ -1,4 +1,31 @@
-"""The async engine and session factory for SQLite (aiosqlite) and PostgreSQL (asyncpg).
+"""The database: the engine, the guard that refuses a commit inside a handler, and how a failure
+is told apart (transient, outage, timeout).
+
+A transient database error (deadlock, serialization failure, a busy SQLite) re-runs the whole
+operation: a second attempt may not meet the same conflict. Outages are told apart in
+the outage checks below.
+
+An outage (the database unreachable, the connection gone) says nothing about the data: it is
+never charged to a message, and the operation succeeds once the database is back.
+
+The runtime half of handlers do not save: while a handler runs, its name is in a context
+variable, and a COMMIT on any session or connection of the service's engines is refused before
+it reaches the database, naming the handler.
+
+The run-time half of "handlers do not save".
+
+While a handler runs, :func:`handler_scope` names it in a context variable. Every session the
+service creates is a :class:`GuardedSession`: its ``before_commit`` hook refuses to commit while
+a handler is named, so a handler cannot save by committing the unit of work, a second unit of
+work, or the session underneath (the static rule in ``tests/architecture`` proves the same
+before the code runs). The owner of the transaction commits after the handler returned.
+
+Below the ORM, :func:`guard_engine` hooks every connection of the service's engines: a Core
+transaction committed inside a handler (``engine.begin()``, ``connection.commit()``) is refused
+the same way, before the database sees the COMMIT. What stays out of reach: an engine or a
+driver connection the handler creates itself, and writes outside the database (HTTP, files).
+
+The async engine and session factory for SQLite (aiosqlite) and PostgreSQL (asyncpg).
 
 SQLite runs in WAL mode with a busy timeout, so the API and the worker (one process or two) can
 share the embedded file; PostgreSQL gets a normal pool. One ``AsyncSession`` serves one unit of
@@ -8,26 +35,168 @@ Every wait on the database is bounded, so a lock held elsewhere or a line gone s
 error, never in a hang: PostgreSQL cancels a statement past ``statement_timeout`` (lock waits
 included), the driver gives up on any answer a little later (``command_timeout``: a rollback or a
 close on a silent line too), and connecting and waiting for a pooled connection have their own
-limits. SQLite's bound is its busy timeout.
-"""
+limits. SQLite's bound is its busy timeout."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, cast
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.default import DefaultDialect
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
+from sqlmodel import Session as SQLModelSession
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from .guard import GuardedSession, guard_engine
-from .settings import DatabaseSettings
+from outbox_kit.persistence.settings import DatabaseSettings
+
+# Serialization failure, deadlock, lock not available (PostgreSQL), busy/locked (SQLite).
+TRANSIENT_SQLSTATES = frozenset({"40001", "40P01", "55P03"})
+
+TRANSIENT_MESSAGES = ("database is locked", "database is busy", "database table is locked")
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for database errors that a re-run of the whole operation may not hit again."""
+    if not isinstance(error, DBAPIError):
+        return False
+    if getattr(error.orig, "sqlstate", None) in TRANSIENT_SQLSTATES:
+        return True
+    text_ = str(error.orig).lower()
+    return any(message in text_ for message in TRANSIENT_MESSAGES)
+
+
+# Connection exceptions (class 08), shutting down, cannot connect now, too many connections.
+OUTAGE_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "53300"})
+
+DRIVER_PACKAGES = ("sqlalchemy", "asyncpg", "aiosqlite", "sqlite3")
+
+# Query canceled: PostgreSQL ended a statement at ``DATABASE__STATEMENT_TIMEOUT_SECONDS``.
+STATEMENT_TIMEOUT_SQLSTATE = "57014"
+
+
+def is_database_outage(error: BaseException) -> bool:
+    """True when the database could not be reached or dropped the connection: the operation
+    says nothing about the data and succeeds once the database is back.
+
+    A refused connect comes out of asyncpg as a bare ``ConnectionRefusedError``, the same type a
+    handler's own HTTP call raises; only the traceback tells them apart, so a plain socket error
+    counts only when it was raised inside the database driver."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, DBAPIError):
+            if current.connection_invalidated:
+                return True
+            sqlstate = str(getattr(current.orig, "sqlstate", "") or "")
+            if sqlstate.startswith("08") or sqlstate in OUTAGE_SQLSTATES:
+                return True
+        elif type(current).__module__.partition(".")[0] == "asyncpg" and type(current).__name__ in {
+            "ConnectionDoesNotExistError",
+            "CannotConnectNowError",
+            "ConnectionFailureError",
+        }:
+            return True
+        elif isinstance(current, OSError) and _raised_in_driver(current):
+            return True  # refused, reset, unreachable, timed out: inside the driver
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _raised_in_driver(error: BaseException) -> bool:
+    frame = error.__traceback__
+    while frame is not None:
+        module = str(frame.tb_frame.f_globals.get("__name__", ""))
+        if module.partition(".")[0] in DRIVER_PACKAGES:
+            return True
+        frame = frame.tb_next
+    return False
+
+
+def is_database_timeout(error: BaseException) -> bool:
+    """True when the database did not answer in time: a statement ended by the statement timeout
+    (a lock held elsewhere, an overloaded server) or no pooled connection within the pool
+    timeout. (The driver's own timeout on a silent line is an outage: see above.) Nothing was
+    changed; the same operation may succeed a moment later."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, PoolTimeoutError):
+            return True
+        sqlstate = getattr(current.orig, "sqlstate", None) if isinstance(current, DBAPIError) else None
+        if sqlstate == STATEMENT_TIMEOUT_SQLSTATE:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+_running_handler: ContextVar[str | None] = ContextVar("running_handler", default=None)
+
+
+class HandlerMustNotSaveError(RuntimeError):
+    """A handler tried to commit while the unit of work was dispatching to it."""
+
+    def __init__(self, handler: str) -> None:
+        super().__init__(
+            f"handler {handler} tried to commit a unit of work while it was being dispatched. "
+            "Handlers mutate state, raise events or enqueue work; the unit of work that "
+            "dispatched them saves it together with the delivery record. Move an independent "
+            "write to an internal command (uow.schedule) instead."
+        )
+        self.handler = handler
+
+
+@contextmanager
+def handler_scope(name: str) -> Iterator[None]:
+    """Mark the block as running handler ``name``: any commit inside it is refused."""
+    token = _running_handler.set(name)
+    try:
+        yield
+    finally:
+        _running_handler.reset(token)
+
+
+def running_handler() -> str | None:
+    return _running_handler.get()
+
+
+def refuse_commit_in_handler() -> None:
+    handler = running_handler()
+    if handler is not None:
+        raise HandlerMustNotSaveError(handler)
+
+
+class GuardedSession(SQLModelSession):
+    """The synchronous session under every AsyncSession of the service (SQLModel's, guarded)."""
+
+
+@event.listens_for(GuardedSession, "before_commit")
+def _before_commit(session: Session) -> None:
+    # SQLAlchemy fires before_commit for a savepoint release too; a savepoint commits nothing
+    # (the owner's transaction still decides), so a handler may use one.
+    if session.in_nested_transaction():
+        return
+    refuse_commit_in_handler()
+
+
+def guard_engine(engine: Engine) -> None:
+    """Refuse a COMMIT on any connection of ``engine`` while a handler runs (Core writes)."""
+
+    @event.listens_for(engine, "commit")
+    def _before_connection_commit(_connection: Connection) -> None:
+        refuse_commit_in_handler()
+
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,7 @@
-"""The tables the outbox machinery owns: ``outbox_messages``, ``internal_commands``,
+"""The kit's tables: the relay tables (outbox, internal commands), the inbox, dead-letter replays
+and idempotency keys; and the helpers a context's tables use.
+
+The tables the outbox machinery owns: ``outbox_messages``, ``internal_commands``,
 ``inbox_messages`` and ``dead_letter_replays``.
 
 ``outbox_messages`` and ``internal_commands`` share one column set (:class:`PolledColumns`), so
@@ -7,19 +10,53 @@ both. ``seq`` is a monotonic per-row sequence (an identity column on PostgreSQL,
 SQLite's single writer): ordering keys are ordered by it, never by a timestamp that can tie.
 
 The partial indexes cover only pending rows (neither processed nor dead-lettered), so retained
-history never slows the claim; see ``polling/claim.py`` for the statement that uses them.
-"""
+history never slows the claim; see ``processor/claim.py`` for the statement that uses them.
+
+The service's own audit, inbox and idempotency tables: one row per consumed message per consumer
+(its primary key is the deduplication guard), one row per dead-letter replay, and one row per
+answered idempotency key per tenant.
+
+The polled tables by the name operators use for them (``outbox``, ``internal_commands``).
+
+``INSERT ... ON CONFLICT`` on PostgreSQL and SQLite alike.
+
+"Create the row, or change the one that is there" and "create the row unless it is there" are
+races when written as a read followed by a write: two transactions read the same state and both
+act on it (a lost update, or a unique violation). One ``INSERT ... ON CONFLICT`` statement is
+atomic on both databases: the conflict is resolved against the row as it is when the statement
+writes, and a concurrent insert of the same key waits for the other transaction to finish.
+
+Leases on the relay rows: token-guarded outcome writes, and the retry policy they record.
+
+Why a row left the pending pool, and how long a failed one waits: the dead-letter reasons, the
+paused marker, and the jittered exponential backoff (jitter before the cap).
+
+Token-guarded writes on a polled table (``outbox_messages`` or ``internal_commands``).
+
+Every outcome is guarded on the row id and the lock token *only* (no ``locked_until`` term): an
+expired lease still lands while no other replica has claimed the row, and a row another replica
+re-claimed under a new token is never overwritten. The one exception is the release of a claim
+a stop interrupted (``release_claimed``): its ids are unknown, and the claim's own lease end,
+which nothing has moved yet, lets an index find its rows. ``RETURNING id`` says which rows were still
+ours: rowcount is not reliable across drivers (-1 for executemany on asyncpg and for ``WITH``
+statements on SQLite)."""
 
 from __future__ import annotations
 
+import random
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlmodel import JSON, Field, SQLModel
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from outbox_kit.application.text import storable
 
 PENDING = "processed_on IS NULL AND dead_lettered_on IS NULL"
 JSON_TYPE = JSON().with_variant(postgresql.JSONB(), "postgresql")
@@ -95,7 +132,7 @@ class OutboxMessage(PolledColumns, table=True):
     kind: str = Field(max_length=16)
 
 
-class InternalCommand(PolledColumns, table=True):
+class InternalCommandRow(PolledColumns, table=True):
     """A deferred instruction, run by the internal-command processor when due."""
 
     __tablename__ = "internal_commands"
@@ -107,7 +144,7 @@ class InternalCommand(PolledColumns, table=True):
 # -- the one definition the rest of the service uses ----------------------------------------
 
 OUTBOX_TABLE: sa.Table = OutboxMessage.__table__  # type: ignore[attr-defined]
-COMMAND_TABLE: sa.Table = InternalCommand.__table__  # type: ignore[attr-defined]
+COMMAND_TABLE: sa.Table = InternalCommandRow.__table__  # type: ignore[attr-defined]
 DOMAIN = "domain"  # an outbox row dispatched in-process (a domain event)
 INTEGRATION = "integration"  # an outbox row published through the message bus
 
@@ -124,3 +161,244 @@ class PolledTable:
 OUTBOX = PolledTable("outbox", OUTBOX_TABLE, "event_name")
 INTERNAL_COMMANDS = PolledTable("internal_commands", COMMAND_TABLE, "command_name")
 POLLED_TABLES: dict[str, PolledTable] = {t.name: t for t in (OUTBOX, INTERNAL_COMMANDS)}
+
+
+class InboxMessage(SQLModel, table=True):
+    """One consumed message per consumer; the primary key is the deduplication guard."""
+
+    __tablename__ = "inbox_messages"
+    __table_args__ = (sa.Index("ix_inbox_messages_received_on", "received_on"),)
+
+    message_id: str = Field(primary_key=True, max_length=128)
+    consumer: str = Field(primary_key=True, max_length=200)
+    event_name: str = Field(max_length=200)
+    tenant_id: str | None = Field(default=None, max_length=64)
+    correlation_id: str | None = Field(default=None, max_length=64)
+    received_on: datetime
+    # SHA-256 (hex) of the signed body: a later message under this id with another body is a
+    # conflict, not a copy. NULL on rows received before the column existed.
+    body_digest: str | None = Field(default=None, max_length=64)
+
+
+class DeadLetterReplay(SQLModel, table=True):
+    """Audit record of one replay: who returned which dead letters to the pending pool, when."""
+
+    __tablename__ = "dead_letter_replays"
+
+    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
+    source: str = Field(max_length=32)
+    replayed_by: str = Field(max_length=128)
+    replayed_on: datetime
+    message_count: int
+    message_ids: list[str] = Field(sa_type=JSON_TYPE, nullable=False)
+
+
+class IdempotencyKeyRow(SQLModel, table=True):
+    """One create request per ``(tenant, Idempotency-Key)``, written in the transaction that ran
+    it, with the answer it got (see ``persistence/idempotency.py``). The primary key is the guard that
+    makes a concurrent retry wait for, then repeat, the first answer."""
+
+    __tablename__ = "idempotency_keys"
+    __table_args__ = (sa.Index("ix_idempotency_keys_created_on", "created_on"),)
+
+    tenant_id: str = Field(primary_key=True, max_length=64)  # "" for a caller without a tenant
+    key: str = Field(primary_key=True, max_length=255)
+    fingerprint: str = Field(max_length=64)  # SHA-256 (hex) of the operation and its body
+    status_code: int | None = None
+    # The answer's exact JSON text (not JSONB, which reorders keys): a replay repeats its bytes.
+    response_body: str | None = Field(default=None, sa_type=sa.Text)
+    created_on: datetime
+
+
+INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
+IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKeyRow.__table__  # type: ignore[attr-defined]
+
+
+class UnknownSourceError(LookupError):
+    """The operator named a source this service does not have."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"unknown source {name!r}; use one of: {', '.join(POLLED_TABLES)}")
+
+
+def source_named(name: str) -> PolledTable:
+    try:
+        return POLLED_TABLES[name]
+    except KeyError:
+        raise UnknownSourceError(name) from None
+
+
+def upsert(session: AsyncSession, table: sa.Table) -> postgresql.Insert | sqlite.Insert:
+    """An ``INSERT`` into ``table`` for the session's database, with ``on_conflict_do_update``
+    and ``on_conflict_do_nothing`` (the same signature on both dialects)."""
+    if session.get_bind().dialect.name == "postgresql":
+        return postgresql.insert(table)
+    return sqlite.insert(table)
+
+
+MAX_ERROR_LENGTH = 4000
+
+# ``last_error`` of a row released uncharged while its downstream is down (open circuit):
+# ``explain`` reports it as paused, not as backing off after a failure of its own.
+PAUSED_PREFIX = "paused, not charged: "
+
+RETRIES_EXHAUSTED = "retries_exhausted"
+
+TYPE_UNRESOLVABLE = "type_unresolvable"
+
+MALFORMED_PAYLOAD = "malformed_payload"
+
+CASCADE_DEPTH_EXCEEDED = "cascade_depth_exceeded"
+
+
+def backoff_seconds(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
+    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap
+    (so a capped wait lands exactly on the lease, and one outage's failures do not retry in step)."""
+    exponent = min(max(attempt, 1) - 1, 62)
+    return min(base * (2.0**exponent) * rng.uniform(0.8, 1.2), cap)
+
+
+class LeaseLostError(RuntimeError):
+    """The row no longer carries our token: another processor owns it now."""
+
+
+@dataclass(frozen=True)
+class FailureOutcome:
+    """What a failure did to the row."""
+
+    dead_lettered: bool
+    retry_count: int
+    retry_at: datetime | None
+
+
+class LeaseStore:
+    """The guarded writes for one polled table."""
+
+    def __init__(self, table: sa.Table) -> None:
+        self.table = table
+        self._c = table.c
+
+    def _ours(self, ids: Collection[uuid.UUID], token: uuid.UUID) -> sa.ColumnElement[bool]:
+        return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)
+
+    async def stamp_processed(
+        self, connection: AsyncConnection, ids: Collection[uuid.UUID], token: uuid.UUID, now: datetime
+    ) -> set[uuid.UUID]:
+        """Mark rows delivered; return the ids that were still ours."""
+        statement = (
+            sa.update(self.table)
+            .where(self._ours(ids, token))
+            .values(processed_on=now, locked_until=None, lock_token=None)
+            .returning(self._c.id)
+        )
+        result = await connection.execute(statement)
+        return {row[0] for row in result}
+
+    async def stamped_at(
+        self, connection: AsyncConnection, ids: Collection[uuid.UUID], now: datetime
+    ) -> set[uuid.UUID]:
+        """The rows of ``ids`` stamped processed at exactly ``now``: an earlier attempt of the same
+        stamp that was written although its connection dropped before the answer came back."""
+        statement = sa.select(self._c.id).where(self._c.id.in_(list(ids)), self._c.processed_on == now)
+        return {row[0] for row in await connection.execute(statement)}
+
+    async def release(
+        self,
+        connection: AsyncConnection,
+        ids: Collection[uuid.UUID],
+        token: uuid.UUID,
+        *,
+        error: str | None = None,
+        until: datetime | None = None,
+    ) -> set[uuid.UUID]:
+        """Give rows back without charging a retry (failed in-process attempt, shutdown, open
+        circuit). ``until`` keeps them unclaimable for a while (the key stays blocked)."""
+        values: dict[str, object] = {"locked_until": until, "lock_token": None, "locked_by": None}
+        if error is not None:
+            values["last_error"] = storable(error, MAX_ERROR_LENGTH)
+        return await self._give_back(connection, self._ours(ids, token), values)
+
+    async def release_claimed(
+        self, connection: AsyncConnection, token: uuid.UUID, lease_until: datetime
+    ) -> set[uuid.UUID]:
+        """Give back, uncharged, every row a claim leased under ``token`` until ``lease_until``
+        (a claim whose answer may never have arrived, so its ids are unknown).
+
+        No index covers ``lock_token``: the claim's ``locked_until`` and the pending predicate
+        let the pending/locked partial index find the rows, not a scan of the table's history.
+        """
+        c = self._c
+        ours = sa.and_(
+            c.lock_token == token,
+            c.locked_until == lease_until,
+            c.processed_on.is_(None),
+            c.dead_lettered_on.is_(None),
+        )
+        values: dict[str, object] = {"locked_until": None, "lock_token": None, "locked_by": None}
+        return await self._give_back(connection, ours, values)
+
+    async def _give_back(
+        self, connection: AsyncConnection, ours: sa.ColumnElement[bool], values: dict[str, object]
+    ) -> set[uuid.UUID]:
+        statement = sa.update(self.table).where(ours).values(**values).returning(self._c.id)
+        result = await connection.execute(statement)
+        return {row[0] for row in result}
+
+    async def renew(
+        self, connection: AsyncConnection, row_id: uuid.UUID, token: uuid.UUID, until: datetime
+    ) -> bool:
+        """Extend the lease just before dispatch; False means the row is no longer ours."""
+        statement = (
+            sa.update(self.table)
+            .where(
+                self._c.id == row_id,
+                self._c.lock_token == token,
+                self._c.processed_on.is_(None),
+                self._c.dead_lettered_on.is_(None),
+            )
+            .values(locked_until=until)
+            .returning(self._c.id)
+        )
+        result = await connection.execute(statement)
+        return result.first() is not None
+
+    async def record_failure(
+        self,
+        connection: AsyncConnection,
+        row_id: uuid.UUID,
+        token: uuid.UUID,
+        *,
+        now: datetime,
+        error: str,
+        retry_count: int,
+        retry_at: datetime,
+        dead_letter_reason: str | None,
+    ) -> bool:
+        """Charge one retry: re-lease for the backoff, or dead-letter with ``reason``."""
+        values: dict[str, object] = {
+            "retry_count": retry_count,
+            "last_error": storable(error, MAX_ERROR_LENGTH),
+            "lock_token": None,
+            "locked_by": None,
+        }
+        if dead_letter_reason is None:
+            # The row stays leased until the backoff ends, so its key stays blocked meanwhile.
+            values["locked_until"] = retry_at
+        else:
+            values |= {
+                "locked_until": None,
+                "dead_lettered_on": now,
+                "dead_letter_reason": dead_letter_reason,
+            }
+        statement = (
+            sa.update(self.table)
+            .where(self._c.id == row_id, self._c.lock_token == token)
+            .values(**values)
+            .returning(self._c.id)
+        )
+        result = await connection.execute(statement)
+        return result.first() is not None
+
+
+def lease_until(now: datetime, lease_seconds: float) -> datetime:
+    return now + timedelta(seconds=lease_seconds)

@@ -1,0 +1,1 @@
+"""The entry points' parts: the HTTP edge (authentication, context, errors) and the worker."""

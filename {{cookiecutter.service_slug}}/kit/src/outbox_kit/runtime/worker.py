@@ -1,9 +1,8 @@
 """The background half of the service: processors, consumers, listener, cleanup, sampler.
 
 ``start()`` launches everything as tasks; ``stop()`` (SIGTERM) cancels them all (an in-flight
-outcome is still written within the shutdown timeout, see ``polling.source``), waits at most that
-long (and a second), then closes the bus.
-"""
+outcome is still written within the shutdown timeout, see ``processor.cycle``), waits at most that
+long (and a second), then closes the bus."""
 
 from __future__ import annotations
 
@@ -16,15 +15,13 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from ..kernel.clock import Clock
-from ..kernel.metrics import RelayMetrics
-from ..messaging.bus import MessageBus
-from ..operations.retention import RetentionCleaner
-from ..persistence.database import Database
-from ..polling.listener import PostgresListener
-from ..polling.loop import PollingLoop
-from ..polling.source import TableSource
-from ..polling.wake import WakeSignal
+from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.operations.retention import RetentionCleaner
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.unit_of_work import WakeSignal
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.processor import PostgresListener, Processor
+from outbox_kit.transports.bus import MessageBus
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +63,8 @@ class Worker:
         self._liveness_timeout = liveness_timeout_seconds
         self._loops: list[asyncio.Task[None]] = []
         self._others: list[asyncio.Task[None]] = []
-        self.polling_loops: list[PollingLoop] = []
-        self._turning: list[tuple[PollingLoop, asyncio.Task[None]]] = []
+        self.polling_loops: list[Processor] = []
+        self._turning: list[tuple[Processor, asyncio.Task[None]]] = []
 
     def _spawn(
         self, coroutine: Coroutine[Any, Any, None], name: str, group: list[asyncio.Task[None]]
@@ -83,7 +80,7 @@ class Worker:
 
     async def start(self) -> None:
         for source in self._sources:
-            loop = PollingLoop(
+            loop = Processor(
                 source,
                 wake=self._wake.subscribe(),
                 interval_seconds=self._interval,
@@ -124,7 +121,7 @@ class Worker:
 
     async def stop(self) -> None:
         """Every task cancelled at once; the processor loops get the shutdown timeout to write
-        their in-flight outcomes (each cycle has that deadline, see ``polling.shutdown``) and a
+        their in-flight outcomes (each cycle has that deadline, see ``processor.cycle``) and a
         second to unwind; then the bus is closed (the processors' publishes needed it).
 
         A task still running then (a statement stuck on a silent database line) is left behind

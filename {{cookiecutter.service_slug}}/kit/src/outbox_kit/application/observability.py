@@ -1,0 +1,337 @@
+"""Tracing, metrics and time: what every delivery is measured, traced and limited by.
+
+Time: the clock every part reads, and the time limit every delivery runs under.
+
+Time as a dependency, so tests can move it and the code never calls ``datetime.now`` ad hoc.
+
+The time limit of one delivery (a processor's row, an after-commit dispatch, a consumer's
+handler run).
+
+Without one, a handler that never returns holds its row or message for ever, and with it the
+cycle, the partition or the consumer that waits for it. Past the limit the work is cancelled and
+fails with :class:`TimeLimitExceededError`: a failure like any other, charged, retried with
+backoff and dead-lettered at the attempt limit, its text ("delivery timed out after 60 s") in
+``last_error`` or ``x-error``. One ``asyncio.timeout`` per delivery: no extra task.
+
+A limit only helps where the work yields: a handler that blocks the event loop (CPU, a
+synchronous call) cannot be interrupted by it.
+
+Tracing and metrics: the tracing port with its pass-through default, and the relay's metrics.
+
+Tracing: one span around each unit of delivery work, OpenTelemetry when switched on.
+
+The service already carries a W3C ``traceparent`` from the HTTP request into the outbox row, from
+the row onto the published message and from the message into what its consumer writes. With
+``TELEMETRY__TRACING=otel`` each of those hops becomes a span that continues that trace:
+
+* ``<method> <route>`` (server) around a request, child of the caller's ``traceparent``: made by
+  the maintained OpenTelemetry FastAPI instrumentation (HTTP semantic conventions, the route
+  template as the name); the request's context reads its ``traceparent`` (``active_traceparent``);
+* ``<source> deliver <name>`` (producer for integration events, internal otherwise) around the
+  delivery of one claimed row, outbox and internal commands alike (the shared polling core): the
+  service's own span, because it is what the published message's signed ``traceparent`` names;
+* ``<destination> process`` (consumer) around one message taken from a broker, made by
+  FastStream's telemetry middleware (messaging semantic conventions), child of the message's
+  ``traceparent``. It is installed for consuming only: on a publish it would replace the signed
+  ``traceparent`` with its own and every signed message would fail verification;
+* ``consume <name>`` (consumer) around the inbox and the handler, child of the span above (or of
+  the message's ``traceparent`` on the in-process bus).
+
+Each span's own context is what the next hop carries, so one trace runs from the request to the
+last consumer. Spans exist only where there is work: an idle poll creates none (as it writes no
+log line), so a quiet service does not flood the tracing backend; the probes and ``/metrics``
+get no span either.
+
+OpenTelemetry is an optional extra (``pip install '.[otel]'``): the default ``NoTracing`` imports
+nothing and passes the incoming ``traceparent`` through unchanged. The exporter is OTLP, set up
+by OpenTelemetry's own environment variables (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_SERVICE_NAME``...). The tracer provider belongs to the container, not to the process-wide
+OpenTelemetry global, so tests and several containers in one process do not interfere.
+
+No tracing (the default): nothing imported, nothing recorded, and the caller's traceparent
+passed on untouched, so a trace that started upstream still runs through this service's rows and
+messages.
+
+Prometheus metrics of the relay: the polled tables (outbox, internal commands) and the inbox.
+
+All metrics live in a registry owned by the container (no process-global registry), exposed at
+``/metrics``. What to alert on: a growing
+``outbox_oldest_pending_age_seconds``, any ``outbox_dead_letters_total`` increase, and a
+``outbox_processor_heartbeat_timestamp_seconds`` that stops moving. The metric names keep their
+``outbox_`` prefix for both polled tables (``source`` tells them apart): dashboards and alerts
+depend on the names."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+Clock = Callable[[], datetime]
+
+
+def system_clock() -> datetime:
+    """The current time, timezone-aware in UTC."""
+    return datetime.now(UTC)
+
+
+# A delivery's limit as its runner hands it down (``time_limit`` with the seconds and the name
+# bound): the deliverer puts it around the handlers or the publish only, not around the commit
+# that stamps the row and delivers what the handlers raised (each of those has its own).
+TimeLimit = Callable[[], AbstractAsyncContextManager[None]]
+
+
+class TimeLimitExceededError(TimeoutError):
+    """The work ran past its time limit and was cancelled."""
+
+
+@asynccontextmanager
+async def time_limit(seconds: float, what: str) -> AsyncIterator[None]:
+    """Cancel the block after ``seconds`` and raise :class:`TimeLimitExceededError` naming
+    ``what``; a ``TimeoutError`` the block raised itself (a publish timeout) passes unchanged."""
+    limit = asyncio.timeout(seconds)
+    try:
+        async with limit:
+            yield
+    except TimeoutError as error:
+        if not limit.expired():
+            raise
+        msg = f"{what} timed out after {seconds:g} s"
+        raise TimeLimitExceededError(msg) from error
+
+
+AttributeValue = str | int | float | bool
+
+
+class SpanKind(enum.Enum):
+    SERVER = "server"
+    PRODUCER = "producer"
+    CONSUMER = "consumer"
+    INTERNAL = "internal"
+
+
+class Span(Protocol):
+    """What a caller may do with an open span."""
+
+    @property
+    def traceparent(self) -> str | None:
+        """The W3C ``traceparent`` of this span: what the next hop carries."""
+        ...
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        """Add one attribute (``outbox.outcome``, ``messaging.message.id``...)."""
+        ...
+
+    def record_failure(self, error: BaseException) -> None:
+        """Mark the span failed, with the exception as an event."""
+        ...
+
+
+class Tracing(Protocol):
+    """Port: opens a span that continues ``traceparent`` (or starts a trace without one)."""
+
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind,
+        traceparent: str | None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> contextlib.AbstractContextManager[Span]:
+        """A context manager around one unit of work; an exception escaping it fails the span."""
+        ...
+
+    def active_traceparent(self) -> str | None:
+        """The ``traceparent`` of the span an instrumentation opened around the current work (the
+        HTTP server span), or ``None`` when no span is open or tracing is off."""
+        ...
+
+    @property
+    def tracer_provider(self) -> TracerProvider | None:
+        """The OpenTelemetry ``TracerProvider`` the instrumentations (HTTP, FastStream) report
+        into, so every span of the service goes to one exporter; ``None`` when tracing is off."""
+        ...
+
+    def shutdown(self) -> None:
+        """Flush what is buffered (called once when the container closes)."""
+        ...
+
+
+class _PassThroughSpan:
+    def __init__(self, traceparent: str | None) -> None:
+        self._traceparent = traceparent
+
+    @property
+    def traceparent(self) -> str | None:
+        return self._traceparent
+
+    def set_attribute(self, key: str, value: AttributeValue) -> None:
+        del key, value
+
+    def record_failure(self, error: BaseException) -> None:
+        del error
+
+
+class NoTracing:
+    """The default: no spans, the incoming ``traceparent`` travels on unchanged."""
+
+    @contextlib.contextmanager
+    def span(
+        self,
+        name: str,
+        *,
+        kind: SpanKind,
+        traceparent: str | None,
+        attributes: Mapping[str, AttributeValue] | None = None,
+    ) -> Iterator[Span]:
+        del name, kind, attributes
+        yield _PassThroughSpan(traceparent)
+
+    def active_traceparent(self) -> str | None:
+        return None
+
+    @property
+    def tracer_provider(self) -> TracerProvider | None:
+        return None
+
+    def shutdown(self) -> None:
+        return None
+
+
+LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+SOURCE, CONSUMER = ("source",), ("consumer",)
+# attribute -> (type, name, help, labels, extra arguments)
+DEFINITIONS: dict[str, tuple[type[Any], str, str, tuple[str, ...], dict[str, Any]]] = {
+    "pending_depth": (
+        Gauge,
+        "outbox_pending_depth",
+        "Rows neither processed nor dead-lettered (leased included)",
+        SOURCE,
+        {},
+    ),
+    "oldest_pending_age": (
+        Gauge,
+        "outbox_oldest_pending_age_seconds",
+        "Age of the oldest claimable row at the last poll (0 when none)",
+        SOURCE,
+        {},
+    ),
+    "dispatch_lag": (
+        Histogram,
+        "outbox_dispatch_lag_seconds",
+        "From occurred_on to delivered",
+        SOURCE,
+        {"buckets": LAG_BUCKETS},
+    ),
+    "dispatched": (Counter, "outbox_dispatched_total", "Rows delivered", ("source", "kind"), {}),
+    "failures": (Counter, "outbox_failures_total", "Failed delivery attempts", SOURCE, {}),
+    "dead_letters": (Counter, "outbox_dead_letters_total", "Rows dead-lettered", ("source", "reason"), {}),
+    "lost_leases": (Counter, "outbox_lost_leases_total", "Rows another processor took over", SOURCE, {}),
+    "heartbeat": (
+        Gauge,
+        "outbox_processor_heartbeat_timestamp_seconds",
+        "Unix time of the last finished cycle",
+        SOURCE,
+        {},
+    ),
+    "cleaned": (
+        Counter,
+        "outbox_cleanup_deleted_total",
+        "Rows removed by retention",
+        ("source", "state"),
+        {},
+    ),
+    "inbox_consumed": (Counter, "inbox_consumed_total", "Messages handled and committed", CONSUMER, {}),
+    "inbox_duplicates": (
+        Counter,
+        "inbox_duplicates_total",
+        "Messages skipped as already consumed",
+        CONSUMER,
+        {},
+    ),
+    "inbox_failures": (
+        Counter,
+        "inbox_failures_total",
+        "Handler failures (message redelivered)",
+        CONSUMER,
+        {},
+    ),
+    "inbox_outage_holds": (
+        Counter,
+        "inbox_database_outage_holds_total",
+        "Consumed messages held and run again because the database was unreachable",
+        CONSUMER,
+        {},
+    ),
+    "inbox_dead_letters": (
+        Counter,
+        "inbox_dead_letters_total",
+        "Consumed messages moved to the consumer's dead-letter destination",
+        ("consumer", "reason"),
+        {},
+    ),
+    "inbox_rejected": (
+        Counter,
+        "inbox_rejected_total",
+        "Messages dead-lettered without processing (bad signature, malformed, unknown)",
+        ("consumer", "reason"),
+        {},
+    ),
+}
+
+
+class RelayMetrics:
+    """Every metric of the messaging machinery, labelled by ``source`` or ``consumer``."""
+
+    pending_depth: Gauge
+    oldest_pending_age: Gauge
+    dispatch_lag: Histogram
+    dispatched: Counter
+    failures: Counter
+    dead_letters: Counter
+    lost_leases: Counter
+    heartbeat: Gauge
+    cleaned: Counter
+    inbox_consumed: Counter
+    inbox_duplicates: Counter
+    inbox_failures: Counter
+    inbox_outage_holds: Counter
+    inbox_dead_letters: Counter
+    inbox_rejected: Counter
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        for attribute, (kind, name, documentation, labels, extra) in DEFINITIONS.items():
+            setattr(self, attribute, kind(name, documentation, labels, registry=self.registry, **extra))
+
+    # -- RelayMetrics ----------------------------------------------------------------------
+
+    def backlog_age(self, source: str, seconds: float) -> None:
+        self.oldest_pending_age.labels(source).set(seconds)
+
+    def delivered(self, source: str, kind: str, lag_seconds: float) -> None:
+        self.dispatch_lag.labels(source).observe(lag_seconds)
+        self.dispatched.labels(source, kind).inc()
+
+    def failed(self, source: str) -> None:
+        self.failures.labels(source).inc()
+
+    def dead_lettered(self, source: str, reason: str, count: int = 1) -> None:
+        self.dead_letters.labels(source, reason).inc(count)
+
+    def lost_lease(self, source: str) -> None:
+        self.lost_leases.labels(source).inc()
+
+    def beat(self, source: str, now: datetime) -> None:
+        self.heartbeat.labels(source).set(now.timestamp())

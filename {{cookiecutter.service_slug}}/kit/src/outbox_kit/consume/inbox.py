@@ -1,0 +1,262 @@
+"""The inbox: decode, verify, deduplicate and handle a received message in one transaction.
+
+The delivery an integration-event handler is running for (message id, event name, consumer),
+available to the handler through current_delivery().
+
+What a consumer refuses before its handler runs: a message older than the inbox remembers
+(``stale``), a body that is not a readable JSON object, an event no class answers to, or an event
+the consumer does not take. Each refusal is a ``RejectedMessageError`` with its reason tag: the
+transport dead-letters the message at once and never retries it.
+
+The one consume pipeline every integration-event handler runs through.
+
+verify -> restore context -> open a unit of work -> stage the inbox row ``(message_id,
+consumer)`` in it -> run the handler -> commit handler writes, inbox row and any new outbox rows
+together -> acknowledge.
+
+* A message whose signature, headers or payload cannot be trusted raises
+  :class:`RejectedMessageError` before anything is restored: the transport dead-letters it with
+  the reason and never retries it.
+* Freshness: the inbox forgets a message ``INBOX__RETENTION_DAYS`` after it was received, so a
+  copy arriving later than that could no longer be recognised as a duplicate (a captured message
+  replayed after the purge ran its handler again). With the inbox on, a message whose signed
+  ``x-occurred-on`` is older than the retention is rejected as ``stale``: an inbox row is
+  received no earlier than its message occurred, so every message younger than the retention
+  still finds its row. This holds only if inbox retention exceeds how late a message can
+  legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
+  Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
+* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
+  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
+  the message id, but the inbox row also keeps the SHA-256 of the signed body: a message under a
+  processed id whose body differs is not a copy (a producer reusing ids, or a bug upstream), and
+  skipping it would lose it silently. It raises :class:`RejectedMessageError`
+  (``conflicting_duplicate``) and is dead-lettered with that reason, for a person to look at.
+* A handler failure rolls everything back, including the staged inbox row, so the redelivery is
+  not mistaken for a duplicate; the exception propagates and the transport redelivers (bounded)
+  then dead-letters.
+
+The handler runs under the runtime guard: it must not commit; the pipeline does."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from outbox_kit.application.context import current_context, restored
+from outbox_kit.application.handlers import Consumer, handler_name
+from outbox_kit.application.messages import MalformedPayloadError, MessageRegistry, UnknownMessageError
+from outbox_kit.application.observability import Clock, NoTracing, RelayMetrics, SpanKind, Tracing
+from outbox_kit.domain import Message
+from outbox_kit.persistence.database import handler_scope
+from outbox_kit.persistence.tables import INBOX_TABLE, InboxMessage
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """The message a consumer handler is running for."""
+
+    message_id: str
+    event_name: str
+    consumer: str
+
+
+_delivery: ContextVar[Delivery | None] = ContextVar("delivery", default=None)
+
+
+def current_delivery() -> Delivery:
+    """The delivery being consumed (raises outside a consumer handler)."""
+    delivery = _delivery.get()
+    if delivery is None:
+        msg = "current_delivery() is only available inside an integration-event handler"
+        raise LookupError(msg)
+    return delivery
+
+
+@contextmanager
+def delivering(delivery: Delivery) -> Iterator[None]:
+    token = _delivery.set(delivery)
+    try:
+        yield
+    finally:
+        _delivery.reset(token)
+
+
+def refuse_stale(envelope: Envelope, now: datetime, max_age: timedelta | None) -> None:
+    """Reject a message older than the inbox remembers (see the module docstring)."""
+    if max_age is None:
+        return
+    age = now - envelope.occurred_on
+    if age > max_age:
+        detail = (
+            f"x-occurred-on {envelope.occurred_on.isoformat()} is {age.days} days old, older than "
+            f"INBOX__RETENTION_DAYS ({max_age.days}): a duplicate could no longer be recognised"
+        )
+        raise RejectedMessageError(Rejection.STALE, detail)
+
+
+def decode(registry: MessageRegistry, consumer: Consumer[Any], event_name: str, body: bytes) -> Message:
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, an int past
+        # Python's digit limit (ValueError), or nesting deeper than the recursion limit
+        detail = f"the body is not readable JSON: {type(error).__name__}: {error}"
+        raise RejectedMessageError(Rejection.MALFORMED_BODY, detail) from error
+    if not isinstance(payload, dict):
+        raise RejectedMessageError(Rejection.MALFORMED_BODY, "the body is not a JSON object")
+    try:
+        message = registry.load(event_name, payload)
+    except UnknownMessageError as error:
+        raise RejectedMessageError(Rejection.UNKNOWN_EVENT, str(error)) from error
+    except MalformedPayloadError as error:
+        raise RejectedMessageError(Rejection.MALFORMED_BODY, str(error)) from error
+    if not isinstance(message, consumer.event_type):
+        detail = f"{event_name} is not consumed by {consumer.name}"
+        raise RejectedMessageError(Rejection.UNEXPECTED_EVENT, detail)
+    return cast("Message", message)
+
+
+log = logging.getLogger(__name__)
+MESSAGE_AUTHENTICATION = "message"
+INBOX = INBOX_TABLE
+
+
+class ConsumeOutcome(Enum):
+    CONSUMED = "consumed"
+    DUPLICATE = "duplicate"
+
+
+class ConsumePipeline:
+    """Runs consumers with verification, context restore and inbox deduplication."""
+
+    def __init__(
+        self,
+        *,
+        units: SqlUnitOfWorkFactory,
+        registry: MessageRegistry,
+        signer: Signer,
+        inbox_enabled: bool,
+        metrics: RelayMetrics,
+        clock: Clock,
+        inbox_retention_days: int = 0,
+        max_header_bytes: int = 4096,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self._max_age = (
+            timedelta(days=inbox_retention_days) if inbox_enabled and inbox_retention_days else None
+        )
+        self._max_header_bytes = max_header_bytes
+        self._tracing: Tracing = tracing or NoTracing()
+        self._units = units
+        self._registry = registry
+        self._signer = signer
+        self._inbox = inbox_enabled
+        self._metrics = metrics
+        self._clock = clock
+
+    async def consume(
+        self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
+    ) -> ConsumeOutcome:
+        """Process one message for one consumer (see the module docstring)."""
+        try:
+            envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
+            refuse_stale(envelope, self._clock(), self._max_age)
+            message = decode(self._registry, consumer, envelope.event_name, body)
+        except RejectedMessageError as rejected:
+            self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+            raise
+        delivery = Delivery(envelope.message_id, envelope.event_name, consumer.name)
+        attributes = {"messaging.message.id": envelope.message_id, "messaging.consumer.name": consumer.name}
+        with self._tracing.span(
+            f"consume {envelope.event_name}",
+            kind=SpanKind.CONSUMER,
+            traceparent=envelope.context.traceparent,
+            attributes=attributes,
+        ) as span:
+            # What the handler enqueues carries this span: the trace goes on to the next hop.
+            context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
+            with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
+                try:
+                    outcome = await self._run(consumer, message, envelope)
+                except RejectedMessageError as rejected:  # a conflicting duplicate
+                    self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+                    raise
+                except Exception:
+                    self._metrics.inbox_failures.labels(consumer.name).inc()
+                    raise
+            span.set_attribute("inbox.outcome", outcome.value)
+        if outcome is ConsumeOutcome.DUPLICATE:
+            self._metrics.inbox_duplicates.labels(consumer.name).inc()
+            log.info("%s skipped duplicate message %s", consumer.name, envelope.message_id)
+        else:
+            self._metrics.inbox_consumed.labels(consumer.name).inc()
+        return outcome
+
+    async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
+        message_id, event_name = envelope.message_id, envelope.event_name
+        digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
+        async with self._units() as uow:
+            if self._inbox:
+                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
+                    return ConsumeOutcome.DUPLICATE
+                context = current_context()
+                uow.stage_inbox(
+                    InboxMessage(
+                        message_id=message_id,
+                        consumer=consumer.name,
+                        event_name=event_name,
+                        tenant_id=context.tenant_id,
+                        correlation_id=context.correlation_id,
+                        received_on=self._clock(),
+                        body_digest=digest,
+                    )
+                )
+            with handler_scope(handler_name(consumer.handler)):
+                await consumer.handler(message, uow)
+            try:
+                await uow.commit()
+            except IntegrityError:
+                if not self._inbox:
+                    raise
+                await uow.session.rollback()
+                # A racing consumer whose inbox row committed first, or a genuine constraint
+                # violation in the handler's own writes: only the first is a duplicate.
+                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
+                    return ConsumeOutcome.DUPLICATE
+                raise
+        return ConsumeOutcome.CONSUMED
+
+    @staticmethod
+    async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:
+        """Whether ``consumer`` has processed ``message_id``; a processed id whose recorded body
+        digest differs from ``digest`` raises ``conflicting_duplicate``."""
+        result = await session.exec(  # type: ignore[call-overload]
+            sa.select(INBOX.c.body_digest).where(
+                INBOX.c.message_id == message_id, INBOX.c.consumer == consumer
+            )
+        )
+        row = result.first()
+        if row is None:
+            return False
+        recorded = row[0]
+        if recorded is not None and recorded != digest:
+            raise RejectedMessageError(
+                Rejection.CONFLICTING_DUPLICATE,
+                f"message {message_id} was processed with another body (sha256 {recorded[:12]}...,"
+                f" this one {digest[:12]}...)",
+            )
+        return True

@@ -1,1 +1,0 @@
-"""Idempotency keys: a create command a client retries runs once (see ``keys``)."""

@@ -1,1 +1,0 @@
-"""The consumer side: one consume pipeline that deduplicates with the inbox table."""

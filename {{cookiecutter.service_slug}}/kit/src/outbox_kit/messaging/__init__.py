@@ -1,1 +1,0 @@
-"""The message bus port, its transports, and the signed context headers."""

@@ -1,0 +1,196 @@
+"""Explaining and replaying rows.
+
+Why one row is or is not moving: processed, dead-lettered, blocked behind a row of its key
+(an earlier one, or a later one still in flight ahead of a replayed head), leased, paused,
+backing off, delayed, or eligible now.
+
+Replay: dead letters back to the pending pool, all or nothing.
+
+A replayed row gets ``retry_count = 0`` and its lease cleared; it keeps ``last_error`` (the first
+thing anyone asks after a replay) and ``occurred_on`` and ``seq`` (its place in its ordering
+key). One unknown id, or one that is not a dead letter, refuses the whole request. The caller
+records who replayed what, in the same transaction. On PostgreSQL a replay and the claims of its
+table never overlap (``processor.claim``): a replayed head is then never claimed beside a
+later row of its key that a claim under way took."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlmodel.ext.asyncio.session import AsyncSession
+
+from outbox_kit.application.observability import Clock
+from outbox_kit.operations.requests import (
+    EVERY_TENANT,
+    AdminError,
+    Explanation,
+    RowNotFoundError,
+    TenantScope,
+    one_source,
+    parse_ids,
+)
+from outbox_kit.persistence.database import Database
+from outbox_kit.persistence.tables import PAUSED_PREFIX, PolledTable
+from outbox_kit.processor.claim import replay_gate
+
+
+async def explain_row(
+    database: Database, clock: Clock, source: str, row_id: str, *, scope: TenantScope = EVERY_TENANT
+) -> Explanation:
+    """Say why one row is or is not moving."""
+    table = one_source(source, "explain")
+    (wanted,) = parse_ids([row_id])
+    c = table.table.c
+    now = clock()
+    async with database.session() as session:
+        row = (
+            await session.exec(sa.select(table.table).where(c.id == wanted, scope.admits(table.table)))  # type: ignore[call-overload]
+        ).first()
+        if row is None:
+            msg = f"no {table.name} row has id {row_id}"
+            raise RowNotFoundError(msg)
+        blocker = None
+        if row.ordering_key is not None and row.processed_on is None and row.dead_lettered_on is None:
+            blocker = (
+                await session.exec(  # type: ignore[call-overload]
+                    sa.select(c.id, c.seq, c.tenant_id)
+                    .where(
+                        c.ordering_key == row.ordering_key,
+                        # an earlier row of the key, or a later one in flight (the claim
+                        # holds a replayed head back until its overtaking key-mate is done)
+                        sa.or_(
+                            c.seq < row.seq,
+                            sa.and_(c.id != row.id, c.lock_token.is_not(None), c.locked_until >= now),
+                        ),
+                        c.processed_on.is_(None),
+                        c.dead_lettered_on.is_(None),
+                    )
+                    .order_by(c.seq)
+                    .limit(1)
+                )
+            ).first()
+    state, detail = _diagnose(row, _blocker_named(blocker, scope), now)
+    facts = {
+        "seq": row.seq,
+        "ordering_key": row.ordering_key,
+        "occurred_on": row.occurred_on,
+        "available_on": row.available_on,
+        "locked_until": row.locked_until,
+        "locked_by": row.locked_by,
+        "processed_on": row.processed_on,
+        "dead_lettered_on": row.dead_lettered_on,
+        "dead_letter_reason": row.dead_letter_reason,
+        "tenant_id": row.tenant_id,
+        "correlation_id": row.correlation_id,
+    }
+    return Explanation(
+        source=table.name,
+        id=str(row.id),
+        name=getattr(row, table.name_column),
+        state=state,
+        detail=detail,
+        retry_count=row.retry_count,
+        last_error=row.last_error,
+        facts=facts,
+    )
+
+
+def _blocker_named(blocker: Any, scope: TenantScope) -> str | None:  # noqa: ANN401 (a Row)
+    """The row a keyed row waits for, named only when the caller may see it (ordering keys can
+    cross tenants; the wait is a fact about the caller's row, the other row is not theirs)."""
+    if blocker is None:
+        return None
+    if scope.sees(blocker.tenant_id):
+        return f"row {blocker.id} (seq {blocker.seq})"
+    return "an earlier row of another tenant"
+
+
+def _diagnose(row: Any, blocker: str | None, now: datetime) -> tuple[str, str]:  # noqa: ANN401, PLR0911
+    if row.processed_on is not None:
+        return "processed", f"processed at {row.processed_on.isoformat()}"
+    if row.dead_lettered_on is not None:
+        return "dead_lettered", (
+            f"dead-lettered at {row.dead_lettered_on.isoformat()} because "
+            f"{row.dead_letter_reason} after {row.retry_count} attempt(s): {row.last_error}"
+        )
+    if blocker is not None:
+        return "blocked", (
+            f"blocked behind {blocker} on ordering key "
+            f"{row.ordering_key!r}; it moves once that row is processed or dead-lettered"
+        )
+    if row.locked_until is not None and row.locked_until > now:
+        if row.lock_token is not None:
+            return "leased", (
+                f"leased until {row.locked_until.isoformat()} by processor {row.locked_by or '?'}"
+            )
+        if (row.last_error or "").startswith(PAUSED_PREFIX):
+            return "paused", (
+                f"paused until {row.locked_until.isoformat()}, no attempt charged "
+                f"({row.retry_count} so far): {row.last_error.removeprefix(PAUSED_PREFIX)}"
+            )
+        return "backing_off", (
+            f"backing off until {row.locked_until.isoformat()} after attempt {row.retry_count}: "
+            f"{row.last_error}"
+        )
+    if row.available_on > now:
+        return "delayed", f"not eligible before {row.available_on.isoformat()} (processing delay)"
+    return "pending", "eligible now; the next poll claims it"
+
+
+async def refuse_unless_replayable(
+    session: AsyncSession, table: PolledTable, wanted: list[uuid.UUID], scope: TenantScope
+) -> None:
+    """Every id must name a dead letter the caller may see (another tenant's row is unknown)."""
+    c = table.table.c
+    rows = (
+        await session.exec(  # type: ignore[call-overload]
+            sa.select(c.id, c.dead_lettered_on).where(c.id.in_(wanted), scope.admits(table.table))
+        )
+    ).all()
+    states = {row[0]: row[1] for row in rows}
+    unknown = [str(i) for i in wanted if i not in states]
+    if unknown:
+        msg = f"no {table.name} row has id {', '.join(unknown)}"
+        raise RowNotFoundError(msg)
+    alive = [str(i) for i in wanted if states[i] is None]
+    if alive:
+        msg = f"not dead-lettered (nothing to replay): {', '.join(alive)}"
+        raise AdminError(msg)
+
+
+async def return_to_pending(
+    session: AsyncSession,
+    table: PolledTable,
+    wanted: list[uuid.UUID],
+    scope: TenantScope,
+    *,
+    gate_idle_timeout_seconds: float | None,
+) -> list[str]:
+    """Reset the dead letters (retries, lease) and return the ids replayed, sorted.
+
+    On PostgreSQL (``gate_idle_timeout_seconds`` given) the table's replay gate is taken first,
+    held until the caller commits: a claim under way when a replayed head appears could
+    otherwise put a second row of its key in flight (``processor.claim``)."""
+    c = table.table.c
+    if gate_idle_timeout_seconds is not None:
+        gate = replay_gate(table.table, idle_timeout_seconds=gate_idle_timeout_seconds)
+        await session.exec(gate)  # type: ignore[call-overload]
+    replayed = (
+        await session.exec(
+            sa.update(table.table)
+            .where(c.id.in_(wanted), c.dead_lettered_on.is_not(None), scope.admits(table.table))
+            .values(
+                dead_lettered_on=None,
+                dead_letter_reason=None,
+                retry_count=0,
+                locked_until=None,
+                lock_token=None,
+                locked_by=None,
+            )
+            .returning(c.id)
+        )
+    ).all()
+    return sorted(str(row[0]) for row in replayed)

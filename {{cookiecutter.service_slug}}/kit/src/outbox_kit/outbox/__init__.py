@@ -1,1 +1,0 @@
-"""The outbox: capture at commit, in-process dispatch, the processor, cleanup, administration."""

@@ -1,1 +1,0 @@
-"""One polling core and one lease idiom, shared by the outbox and internal-command processors."""

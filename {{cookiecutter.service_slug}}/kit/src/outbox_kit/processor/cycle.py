@@ -1,0 +1,395 @@
+"""One table's cycle: claim a batch, then renew -> deliver -> record per row; and what a cycle
+does when the process stops in the middle of it.
+
+What one cycle does when the process stops in the middle of it (a cancellation).
+
+Nothing is charged. Deliveries already started run on and write their outcomes; rows the cycle
+never reached are released at once, beside them (a delivery or write that hangs must not use up
+the time their release needs); halfway to the deadline what still runs is cancelled and its rows
+are released too, claimable again at once. Everything shares one deadline
+(``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's wait of the shutdown timeout covers all a
+cycle does. A stop during the claim itself gives back the whole batch (``claim``). Every
+release is token-guarded: a row whose outcome was written no longer matches.
+
+One table drained by one processor: claim a batch, then renew -> deliver -> record per row.
+
+(The renewal is skipped for a publish while the claim's lease outlasts the delivery's time
+limit, and the stamps of rows that finish together share one statement: see ``_needs_renewal``
+and ``outcomes``.) Every delivery runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never
+returns is cancelled and charged like any failure, so it holds its own row only, never the cycle.
+
+This is the per-row half of the shared polling core; what "deliver" means is the only thing
+the outbox and the internal-command processors do differently (a ``Deliverer``). Each row's
+outcome is written as soon as it finishes (``outcomes``); a stop in the middle of a cycle is
+:class:`CycleShutdown`'s business; the claim statement is ``claim``'s."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import random
+import uuid
+from collections.abc import Awaitable, Callable, Collection, Sequence
+from contextlib import suppress
+from datetime import datetime
+from typing import TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from outbox_kit.application.observability import (
+    AttributeValue,
+    Clock,
+    NoTracing,
+    RelayMetrics,
+    Span,
+    Tracing,
+    time_limit,
+)
+from outbox_kit.persistence.database import Database, is_database_outage
+from outbox_kit.persistence.tables import LeaseLostError, LeaseStore, lease_until
+from outbox_kit.processor.claim import ClaimedRow, Claimer, DeliverySlot
+from outbox_kit.processor.outcomes import Outcomes
+from outbox_kit.processor.processor import CycleResult, Deliverer, SourceSettings
+from outbox_kit.transports.bus import Delivered, PausedError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CycleShutdown:
+    """One cycle's shutdown deadline and the writes it protects."""
+
+    def __init__(self, *, name: str, timeout_seconds: float, database: Database, leases: LeaseStore) -> None:
+        self._name = name
+        self._timeout = timeout_seconds
+        self._db = database
+        self._leases = leases
+        self._deadline: float | None = None
+
+    def deadline(self) -> float:
+        """Set on the first use after the cancellation, then the same for everything."""
+        if self._deadline is None:
+            self._deadline = asyncio.get_running_loop().time() + self._timeout
+        return self._deadline
+
+    async def write(self, outcome: Awaitable[T]) -> T:
+        """Write an outcome; if a cancellation interrupts, finish it within the deadline."""
+        task = asyncio.ensure_future(outcome)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            try:
+                async with asyncio.timeout_at(self.deadline()):
+                    await task
+            except Exception:
+                log.exception("%s: an outcome write did not finish during shutdown", self._name)
+            raise
+
+    async def stop(
+        self,
+        tasks: Sequence[asyncio.Future[bool]],
+        rows: Sequence[ClaimedRow],
+        started: Collection[uuid.UUID],
+        token: uuid.UUID,
+    ) -> None:
+        """Let the started deliveries finish within half the deadline while the unreached rows
+        are released; then cancel what still runs and release those rows too.
+
+        A publish is cut short only halfway to the deadline: cancelled at once, a message the broker
+        already holds would be left unstamped and sent again by the next worker.
+        """
+        waiting = [task for task, row in zip(tasks, rows, strict=True) if row.id not in started]
+        for task in waiting:  # not started: blocked on the concurrency gate, they never begin
+            task.cancel()
+        unreached = [row for row in rows if row.id not in started]
+        # Half the time for the deliveries, so the release of what they leave still fits.
+        await asyncio.gather(
+            self.release(unreached, token), asyncio.wait(tasks, timeout=self._remaining() / 2)
+        )
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.release([row for row in rows if row.id in started], token)
+
+    async def claim(
+        self, claim: Awaitable[list[ClaimedRow]], token: uuid.UUID, lease_until: datetime
+    ) -> list[ClaimedRow]:
+        """Run the cycle's claim, which leases to ``token`` until ``lease_until``; if a
+        cancellation interrupts it, give back what it leased.
+
+        The claim commits on its own, so a stop that lands after the server committed it (its
+        answer on the way back, its connection returning to the pool) would leave the whole
+        batch leased for a lease under a token nobody holds. The claim is let finish within half
+        the deadline (it may be committing), then cancelled, and its cancellation is awaited
+        within half of what is left: a COMMIT already sent lands when the server says so, and a
+        release that read the table before it would miss the rows. Then every row still under
+        the claim's token and lease end is released, uncharged: not by id, since a claim cut
+        short may have committed unheard.
+        """
+        task = asyncio.ensure_future(claim)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            await asyncio.wait([task], timeout=self._remaining() / 2)
+            task.cancel()  # no-op once it is done
+            await asyncio.wait([task], timeout=self._remaining() / 2)  # the rest is the release's
+            task.add_done_callback(_observed)
+            await self._give_back(
+                lambda connection: self._leases.release_claimed(connection, token, lease_until)
+            )
+            raise
+
+    async def release(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> None:
+        if rows:
+            ids = [row.id for row in rows]
+            await self._give_back(lambda connection: self._leases.release(connection, ids, token))
+
+    async def _give_back(self, release: Callable[[AsyncConnection], Awaitable[object]]) -> None:
+        """Best effort within the deadline: rows not released wait out their lease."""
+        with suppress(Exception):
+            async with asyncio.timeout_at(self.deadline()):
+                async with self._db.bookkeeping() as connection:
+                    await release(connection)
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline() - asyncio.get_running_loop().time())
+
+
+def _observed(task: asyncio.Future[list[ClaimedRow]]) -> None:
+    """The cycle is ending either way: an error of its interrupted claim is not one to report."""
+    if not task.cancelled():
+        task.exception()
+
+
+class TableSource:
+    """A polled table: the claim, the per-row pipeline and the smart-wait query."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        table: sa.Table,
+        name_column: str,
+        settings: SourceSettings,
+        database: Database,
+        deliverer: Deliverer,
+        clock: Clock,
+        instance_id: str,
+        metrics: RelayMetrics,
+        rng: random.Random | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.name = name
+        self.table = table
+        self.settings = settings
+        self._db = database
+        self._deliverer = deliverer
+        self._clock = clock
+        self._instance_id = instance_id
+        self._metrics = metrics
+        self._tracing: Tracing = tracing or NoTracing()
+        self._claimer = Claimer(
+            table,
+            name_column,
+            batch=settings.batch_size,
+            window=settings.claim_window,
+            postgresql=database.is_postgresql,
+        )
+        self.leases = LeaseStore(table)
+        self.outcomes = Outcomes(
+            name=name,
+            settings=settings,
+            database=database,
+            leases=self.leases,
+            clock=clock,
+            metrics=metrics,
+            rng=rng or random.Random(),  # noqa: S311 (jitter spaces retries; no security use)
+        )
+        self._shutdown = self._new_shutdown()
+        self._last_claim_at: datetime | None = None
+
+    def _new_shutdown(self) -> CycleShutdown:
+        return CycleShutdown(
+            name=self.name,
+            timeout_seconds=self.settings.shutdown_timeout_seconds,
+            database=self._db,
+            leases=self.leases,
+        )
+
+    # -- the cycle -------------------------------------------------------------------------
+
+    async def claim(self, token: uuid.UUID, now: datetime | None = None) -> list[ClaimedRow]:
+        """Lease a batch to ``token`` at ``now`` (the clock's by default) for one lease."""
+        now = self._clock() if now is None else now
+        self._last_claim_at = now
+        until = lease_until(now, self.settings.lease_seconds)
+        # A transaction of its own, not one autocommitted statement: on PostgreSQL the claim
+        # holds its table's replay gate through its statement (``replay_gate``).
+        async with self._db.bookkeeping() as connection:
+            rows = await self._claimer.claim(
+                connection, now=now, lease_until=until, token=token, locked_by=self._instance_id
+            )
+        # The claim's own rows give the backlog age: no MIN() query.
+        age = (now - min(row.occurred_on for row in rows)).total_seconds() if rows else 0.0
+        self._metrics.backlog_age(self.name, max(age, 0.0))
+        return rows
+
+    async def run_cycle(self) -> CycleResult:
+        """Claim a batch and deliver it, up to ``delivery_concurrency`` rows at a time.
+
+        Concurrency cannot reorder a key: the claim never puts two rows of one key in a batch.
+        Rows whose delivery runs handlers are also held to the database pool's size.
+        Rows are started in ``seq`` order. Every row finishes (or fails) before the cycle ends:
+        one row's database error must not leave its batch-mates running unobserved.
+        """
+        token = uuid.uuid4()
+        self._shutdown = self._new_shutdown()
+        now = self._clock()
+        # The cycle knows the claim's lease end before the claim runs: a stop during the claim
+        # gives the batch back by token and lease end, whose index finds it (``LeaseStore``).
+        until = lease_until(now, self.settings.lease_seconds)
+        rows = await self._shutdown.claim(self.claim(token, now), token, until)  # a stop here releases them
+        gate = asyncio.Semaphore(self.settings.delivery_concurrency)
+        # Handlers each hold a database session: no more at once than the pool has connections.
+        handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
+        started: set[uuid.UUID] = set()
+
+        async def process(row: ClaimedRow) -> bool:
+            room = handlers if self._deliverer.needs_fresh_lease(row) else contextlib.nullcontext()
+            async with room, DeliverySlot(gate) as slot:  # a row waiting for room holds no slot
+                started.add(row.id)
+                return await self._process(row, token, slot)
+
+        tasks = [asyncio.ensure_future(process(row)) for row in rows]
+        if tasks:
+            try:
+                await asyncio.wait(tasks)  # not gather: a cancelled gather waits for its children
+            except asyncio.CancelledError:
+                await self._shutdown.stop(tasks, rows, started, token)
+                await self.outcomes.stamps.settle(self._shutdown.deadline())
+                raise
+        return self._result(rows, tasks)
+
+    def _result(self, rows: list[ClaimedRow], tasks: list[asyncio.Task[bool]]) -> CycleResult:
+        errors = [error for task in tasks if (error := task.exception()) is not None]
+        for extra in errors[1:]:
+            log.error("%s: another delivery of the cycle failed too", self.name, exc_info=extra)
+        if errors:
+            raise errors[0]
+        done = [task.result() is True for task in tasks]
+        self._metrics.beat(self.name, self._clock())
+        if rows:
+            log.debug("%s: claimed %s, completed %s", self.name, len(rows), sum(done))
+        return CycleResult(
+            claimed=len(rows),
+            completed=sum(done),
+            full_batch=len(rows) >= self.settings.batch_size,
+            keyed_completed=any(
+                ok and row.ordering_key is not None for row, ok in zip(rows, done, strict=True)
+            ),
+        )
+
+    async def _process(self, row: ClaimedRow, token: uuid.UUID, slot: DeliverySlot | None = None) -> bool:
+        """Renew, deliver, record; True only when the row was delivered.
+
+        A failure is recorded but is not progress: a batch that failed in full must not make
+        the loop re-poll at once (it would sweep the backlog charging every row a retry while
+        the cause, usually a dependency outage, is still there).
+        """
+        if self._needs_renewal(row) and not await self.outcomes.renew(row, token):
+            self.outcomes.lost(row, "before dispatch")
+            return False
+        attributes: dict[str, AttributeValue] = {
+            "messaging.message.id": str(row.id),
+            f"{self.name}.retry_count": row.retry_count,
+        }
+        with self._tracing.span(
+            f"{self.name} deliver {row.name}",
+            kind=self._deliverer.span_kind(row),
+            traceparent=row.trace_context,
+            attributes=attributes,
+        ) as span:
+            # The delivery runs under this span: a published message carries it on.
+            traced = dataclasses.replace(row, trace_context=span.traceparent)
+            return await self._deliver(traced, token, span, slot)
+
+    def _needs_renewal(self, row: ClaimedRow) -> bool:
+        """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal). A
+        publish renews only when the lease left might not outlast the delivery's time limit plus
+        the margin (a slow batch, or a process that was frozen: the renewal is then what finds
+        the lease lost). That saves a transaction per published row while the claim is young;
+        and as every delivery ends by its limit, none outlives its lease: no replica can claim
+        a row while it is in flight here. The stamp stays token-guarded either way."""
+        return self._deliverer.needs_fresh_lease(row) or self.outcomes.lease_is_short(row)
+
+    async def _deliver(
+        self, row: ClaimedRow, token: uuid.UUID, span: Span, slot: DeliverySlot | None
+    ) -> bool:
+        write = self._shutdown.write
+        # The deliverer puts the limit around the handlers or the publish only: past the stamp,
+        # a delivery cannot fail (its follow-on deliveries have limits of their own).
+        limit = functools.partial(time_limit, self.settings.delivery_timeout_seconds, "delivery")
+        try:
+            delivered = await self._deliverer.deliver(row, token, limit)
+        except LeaseLostError:
+            self.outcomes.lost(row, "while its handlers ran (their effects were rolled back)")
+            return False
+        except PausedError as paused:
+            span.set_attribute("outcome", "paused")
+            await write(self.outcomes.pause(row, token, paused.retry_at, str(paused)))
+            return False
+        except Exception as error:  # noqa: BLE001 (every failure is recorded on the row)
+            span.record_failure(error)
+            if is_database_outage(error):
+                await self._database_outage(row, token, error)
+            else:
+                await write(self.outcomes.fail(row, token, error))
+            return False
+        if delivered is Delivered.NEEDS_STAMP:
+            if slot is not None:
+                slot.free()  # the next row may publish while this one waits for its stamp group
+            return await write(self.outcomes.stamp(row, token))
+        self.outcomes.delivered(row)
+        return True
+
+    async def _database_outage(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
+        """The handler's unit of work could not reach the database: not the row's fault, so no
+        retry is charged. The row is released for the next cycle; if even that cannot be
+        written, its lease runs out and it returns the same way."""
+        log.warning(
+            "%s row %s (%s): database unreachable during delivery, not charged: %s",
+            *(self.name, row.id, row.name, error),
+        )
+        note = f"database unreachable: {type(error).__name__}: {error}"
+        try:
+            await self._shutdown.write(self.outcomes.pause(row, token, None, note))
+        except Exception:
+            log.debug("%s row %s: release failed as well", self.name, row.id, exc_info=True)
+
+    # -- smart wait ------------------------------------------------------------------------
+
+    async def next_due(self) -> datetime | None:
+        """The earliest moment a pending row the last claim could not take becomes claimable.
+
+        The bound is the moment of the last claim, not "now": a backoff or delay that ran out
+        while a slow cycle was delivering was not seen by that claim, so the row is due at once
+        (a lower bound of "now" would miss it and the loop would sleep the whole fallback
+        interval). A row the claim saw and left (leased elsewhere, or waiting) is due only at
+        its own time, so it cannot make the loop spin.
+        """
+        seen_until = self._last_claim_at or self._clock()
+        t = self.table.c
+        pending = sa.and_(t.processed_on.is_(None), t.dead_lettered_on.is_(None))
+        leased = sa.select(sa.func.min(t.locked_until)).where(pending, t.locked_until > seen_until)
+        waiting = sa.select(sa.func.min(t.available_on)).where(
+            pending, t.locked_until.is_(None), t.available_on > seen_until
+        )
+        both = sa.select(leased.scalar_subquery(), waiting.scalar_subquery())  # one round trip
+        async with self._db.bookkeeping_statement() as connection:
+            first, second = (await connection.execute(both)).one()
+        candidates = [d for d in (first, second) if d is not None]
+        return min(candidates) if candidates else None

@@ -1,0 +1,152 @@
+"""The two deliverers the processor core runs: the outbox's (publish through the message bus, or
+dispatch in-process) and the internal commands' (run the command's handler).
+
+What the outbox processor does with one claimed row.
+
+* Local domain-event rows: the row's context is restored on a fresh scope (tenant, user, roles
+  with authentication type ``outbox``, correlation), the handlers run in a fresh unit of work,
+  and their effects and the processed stamp commit together (see ``dispatch``). A local event
+  with no handler on this host is stamped processed with a Warning, once per event name: the
+  handler probably lives on another host, which must then run this processor instead
+  (``OUTBOX__IMMEDIATE_DISPATCH=false`` on producer-only hosts: a host that writes local events
+  it does not handle leaves them to the host that does).
+* Integration-event rows: published through the message bus behind the circuit breaker; the
+  processed stamp is written only after the transport confirmed the publish.
+
+Internal commands: deferred instructions to this service itself.
+
+``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
+transaction, with the same context capture as an outbox row. The internal-command processor
+(the same polling core, lease, backoff and dead-letter idiom as the outbox) runs the command's
+handler in a fresh unit of work under the restored context, and stamps the row processed in
+that same transaction: the command's effects happen exactly once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from outbox_kit.application.context import restored
+from outbox_kit.application.handlers import HandlerRegistry, handler_name
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.application.observability import SpanKind, TimeLimit
+from outbox_kit.persistence.database import handler_scope
+from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.in_process import LocalDispatcher
+from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus
+from outbox_kit.transports.envelope import Envelope
+
+log = logging.getLogger(__name__)
+OUTBOX_AUTHENTICATION = "outbox"
+
+
+class OutboxDeliverer:
+    """Delivers outbox rows: in-process for domain events, through the bus for integration."""
+
+    def __init__(
+        self,
+        *,
+        registry: MessageRegistry,
+        handlers: HandlerRegistry,
+        dispatcher: LocalDispatcher,
+        bus: MessageBus,
+        breaker: CircuitBreaker,
+    ) -> None:
+        self._registry = registry
+        self._handlers = handlers
+        self._dispatcher = dispatcher
+        self._bus = bus
+        self._breaker = breaker
+        self._warned: set[str] = set()
+
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """Local handlers get a whole lease first (and hold a database session); a publish renews
+        only when its lease might not outlast the delivery's time limit."""
+        return row.kind == DOMAIN
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        """A publish is a producer span; a local delivery stays inside this service."""
+        return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        message = self._registry.load(row.name, row.payload)
+        context = row.captured_context()
+        with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
+            if row.kind == DOMAIN:
+                if not self._handlers.has_domain_handlers(type(message)):
+                    self._warn_no_handler(row.name)
+                    return Delivered.NEEDS_STAMP
+                await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
+                return Delivered.STAMPED
+            envelope = Envelope(
+                message_id=str(row.id),
+                event_name=message.message_name,
+                occurred_on=row.occurred_on,
+                body=json.dumps(self._registry.dump(message), separators=(",", ":")).encode(),
+                context=context,
+                ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
+            )
+
+            async def publish() -> None:
+                await self._bus.publish(envelope)
+
+            async with limit():
+                await self._breaker.call(publish)
+            return Delivered.NEEDS_STAMP
+
+    def _warn_no_handler(self, event_name: str) -> None:
+        if event_name in self._warned:
+            return
+        self._warned.add(event_name)
+        log.warning(
+            "Outbox processor drained %s but no handler for it is registered on this host; the "
+            "row is marked processed and not delivered. Register the handler on the processor "
+            "host, or run producer-only hosts with OUTBOX__IMMEDIATE_DISPATCH=false.",
+            event_name,
+        )
+
+
+COMMAND_AUTHENTICATION = "internal-command"
+
+
+class NoCommandHandlerError(LookupError):
+    """A command was scheduled but no handler is registered for it on this host."""
+
+
+class CommandDeliverer:
+    """Runs one internal command in its own unit of work."""
+
+    def __init__(
+        self, *, registry: MessageRegistry, handlers: HandlerRegistry, units: SqlUnitOfWorkFactory
+    ) -> None:
+        self._registry = registry
+        self._handlers = handlers
+        self._units = units
+        self._store = LeaseStore(COMMAND_TABLE)
+
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        """A command's handler holds a database session: always a whole lease first."""
+        del row
+        return True
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        command = self._registry.load(row.name, row.payload)
+        handler = self._handlers.command_handler(type(command))
+        if handler is None:
+            msg = f"no handler is registered for internal command {row.name!r}"
+            raise NoCommandHandlerError(msg)
+        with restored(row.captured_context(), authentication_type=COMMAND_AUTHENTICATION):
+            async with self._units() as uow:
+                with handler_scope(handler_name(handler)):
+                    async with limit():
+                        await handler(command, uow)
+                uow.stamp_processed_on_commit(self._store, row.id, token)
+                await uow.commit()
+        return Delivered.STAMPED

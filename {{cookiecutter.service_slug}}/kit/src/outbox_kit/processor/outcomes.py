@@ -1,0 +1,314 @@
+"""Outcomes: how a delivery's end is classified and written (stamps, failures, retries).
+
+How a failed attempt is charged: the next retry count and, when it is the last, the reason.
+
+* any failure: ``retry_count + 1``; at ``max_retries`` the row is dead-lettered
+  ``retries_exhausted``;
+* a name no class answers to, or a payload that no longer fits its class: the first miss may be
+  a module still loading (a rolling deploy), so it is retried once; a second miss in a row is
+  terminal (``type_unresolvable`` / ``malformed_payload``). Earlier failures of another kind do
+  not count as a miss, nor does a miss before a replay (a replay keeps ``last_error`` but resets
+  ``retry_count``). ``max_retries=1`` means no retry at all.
+
+Processed stamps written together: one token-guarded UPDATE for every row that finished while
+the previous one was in flight (a group commit).
+
+Why: a stamp of its own per row is a transaction per message, and at the broker's pace those
+round trips, not the publishes, were the relay's limit. A group collects for ``LINGER_SECONDS``
+(5 ms) after its first stamp, and the rows that finish while a flush runs go together in the
+next one. Measured on PostgreSQL + RabbitMQ with 64 publishes in flight: without the linger a
+flush took about 5 rows; with it, about 30. The linger delays the *stamp* only, never the
+publish (the consumer's latency does not include it).
+
+What it keeps: a row is only handed in after its broker confirm, and each caller learns whether
+*its* row was still its own (``RETURNING id``), exactly as with a single stamp; rows of different
+claims (tokens) share the transaction but each is matched against its own token. A failed flush
+fails every stamp of the group, and each of those rows is then treated as the single stamp's
+failure was: it comes back when its lease ends and is published again (consumers dedupe).
+A flush the database dropped (a connection terminated, a failover) is tried again on a fresh
+connection, twice, after 0.1 s and 0.5 s: the statement is token-guarded, so a second attempt
+cannot stamp a row that is no longer ours, and a row the dropped attempt did write (stamped at
+the same ``now``) is still reported as ours. Without it, one dropped connection would leave a
+whole group of confirmed rows to be published again when their leases end.
+The flush runs as its own task, so a caller cancelled at shutdown does not cancel the stamps of
+its group-mates (its own row stays in the group and is still written). The cycle's shutdown
+gives that task the rest of its deadline (``settle``) and then cancels it, so no write outlives
+the cycle and no connection is held past it.
+
+The outcome of each row, written as soon as the row finishes, guarded by id and lock token.
+
+* delivered: stamped processed (unless the handler's own transaction already did), together
+  with the stamps of the rows that finished meanwhile (:class:`StampGroups`);
+* failed: ``retry_count + 1`` and ``last_error`` (see :func:`classify`); re-leased for the jittered
+  backoff, or dead-lettered with an Error log naming the row;
+* paused (the downstream or the database is down): released without charging a retry;
+* lease lost (the token no longer matches): a Warning and a count, never an overwrite.
+
+A database outage while recording is not charged to the row (the caller's cycle fails and the
+row comes back when its lease ends). Any other refusal of a failure record cannot be waited out,
+so it must not loop: the retry is charged with a plain reason instead of the failure's text."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from outbox_kit.application.messages import MalformedPayloadError, UnknownMessageError
+from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.application.text import describe
+from outbox_kit.persistence.database import Database, is_database_outage
+from outbox_kit.persistence.tables import (
+    MALFORMED_PAYLOAD,
+    PAUSED_PREFIX,
+    RETRIES_EXHAUSTED,
+    TYPE_UNRESOLVABLE,
+    LeaseStore,
+    backoff_seconds,
+)
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.processor import SourceSettings
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failed attempt, as it is recorded on its row."""
+
+    attempt: int
+    reason: str | None  # the dead-letter reason, when the row is finished with
+    message: str
+    retry_at: datetime
+
+
+def classify(row: ClaimedRow, error: BaseException, max_retries: int) -> tuple[int, str | None]:
+    """The new retry count and, when the row is finished with, its dead-letter reason."""
+    attempt = row.retry_count + 1
+    if isinstance(error, UnknownMessageError | MalformedPayloadError):
+        reason = TYPE_UNRESOLVABLE if isinstance(error, UnknownMessageError) else MALFORMED_PAYLOAD
+        missed = (row.last_error or "").startswith(f"{type(error).__name__}:")
+        missed_before = missed and row.retry_count > 0
+        return attempt, reason if missed_before or attempt >= max_retries else None
+    return attempt, RETRIES_EXHAUSTED if attempt >= max_retries else None
+
+
+log = logging.getLogger(__name__)
+LINGER_SECONDS = 0.005
+RETRY_DELAYS_SECONDS = (0.1, 0.5)
+
+
+class StampGroups:
+    """Coalesces the processed stamps of one polled table."""
+
+    def __init__(self, *, database: Database, leases: LeaseStore, clock: Clock) -> None:
+        self._db = database
+        self._leases = leases
+        self._clock = clock
+        # SQLite delivers one row at a time: there is nothing to gather, so no linger there.
+        self._linger = LINGER_SECONDS if database.is_postgresql else 0.0
+        self._waiting: dict[uuid.UUID, tuple[uuid.UUID, asyncio.Future[bool]]] = {}
+        self._flushing: asyncio.Task[None] | None = None
+        self.statements = 0  # how many UPDATEs the stamps took (the tests read the coalescing)
+
+    async def stamp(self, row_id: uuid.UUID, token: uuid.UUID) -> bool:
+        """Stamp ``row_id`` processed if it still carries ``token``; True when it did."""
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting[row_id] = (token, future)
+        if self._flushing is None:
+            self._flushing = asyncio.create_task(self._flush_all(), name="stamp-groups")
+        # Not shielded: a cancelled caller cancels only its future, which the flush then skips.
+        return await future
+
+    @property
+    def flushing(self) -> bool:
+        """True while a flush task runs (none may outlive a cancelled cycle)."""
+        return self._flushing is not None
+
+    async def settle(self, deadline: float) -> None:
+        """Let a running flush finish until ``deadline`` (the loop's clock), then cancel it.
+
+        Called when a cycle is cancelled, after its deliveries stopped: the stamps already handed
+        in are written if the database answers in time; any left are simply not stamped, and
+        their rows come back when their leases end.
+        """
+        flushing = self._flushing
+        if flushing is None:
+            return
+        timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+        await asyncio.wait([flushing], timeout=timeout)
+        flushing.cancel()
+        await asyncio.wait([flushing])  # wait, not await: our own cancellation must not be lost
+
+    async def _flush_all(self) -> None:
+        try:
+            await asyncio.sleep(self._linger)
+            while self._waiting:
+                group, self._waiting = self._waiting, {}
+                await self._flush(group)
+        finally:
+            self._flushing = None
+            group, self._waiting = self._waiting, {}
+            for _token, future in group.values():  # only left when the flush was cancelled
+                future.cancel()
+
+    async def _flush(self, group: dict[uuid.UUID, tuple[uuid.UUID, asyncio.Future[bool]]]) -> None:
+        by_token: defaultdict[uuid.UUID, list[uuid.UUID]] = defaultdict(list)
+        for row_id, (token, _future) in group.items():
+            by_token[token].append(row_id)
+        try:
+            ours = await self._write(by_token)
+        except asyncio.CancelledError:
+            for _token, future in group.values():
+                future.cancel()
+            raise
+        except Exception as error:  # noqa: BLE001 (every caller of the group gets the failure)
+            for _token, future in group.values():
+                if not future.done():
+                    future.set_exception(error)
+            return
+        for row_id, (_token, future) in group.items():
+            if not future.done():
+                future.set_result(row_id in ours)
+
+    async def _write(self, by_token: dict[uuid.UUID, list[uuid.UUID]]) -> set[uuid.UUID]:
+        now = self._clock()
+        dropped = False
+        for delay in RETRY_DELAYS_SECONDS:
+            try:
+                return await self._write_once(by_token, now, after_a_drop=dropped)
+            except Exception as error:
+                if not is_database_outage(error):
+                    raise
+                log.warning("processed stamps not written (%s); trying again in %.1f s", error, delay)
+            dropped = True
+            await asyncio.sleep(delay)
+        return await self._write_once(by_token, now, after_a_drop=True)
+
+    async def _write_once(
+        self, by_token: dict[uuid.UUID, list[uuid.UUID]], now: datetime, *, after_a_drop: bool
+    ) -> set[uuid.UUID]:
+        ours: set[uuid.UUID] = set()
+        async with self._db.bookkeeping_statement() as connection:
+            for token, ids in by_token.items():
+                self.statements += 1
+                ours |= await self._leases.stamp_processed(connection, ids, token, now)
+            missing = {row_id for ids in by_token.values() for row_id in ids} - ours
+            if after_a_drop and missing:  # written by the attempt whose answer was lost?
+                ours |= await self._leases.stamped_at(connection, missing, now)
+        return ours
+
+
+class Outcomes:
+    """The guarded writes of one source and what they report (metrics, logs)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        settings: SourceSettings,
+        database: Database,
+        leases: LeaseStore,
+        clock: Clock,
+        metrics: RelayMetrics,
+        rng: random.Random,
+    ) -> None:
+        self._name = name
+        self._settings = settings
+        self._db = database
+        self._leases = leases
+        self._clock = clock
+        self._metrics = metrics
+        self._rng = rng
+        self.stamps = StampGroups(database=database, leases=leases, clock=clock)
+
+    def lease_is_short(self, row: ClaimedRow) -> bool:
+        """What is left of the lease (by this process's clock) might not outlast a delivery
+        that runs to its time limit: time to renew."""
+        left = (row.locked_until - self._clock()).total_seconds()
+        return left < self._settings.renew_below_seconds
+
+    async def renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+        """Push the lease to now + lease just before delivery; False when no longer ours."""
+        until = self._clock() + timedelta(seconds=self._settings.lease_seconds)
+        async with self._db.bookkeeping_statement() as connection:
+            return await self._leases.renew(connection, row.id, token, until)
+
+    async def stamp(self, row: ClaimedRow, token: uuid.UUID) -> bool:
+        """True when the stamp landed; a lost lease is not this processor's progress."""
+        stamped = await self.stamps.stamp(row.id, token)
+        if stamped:
+            self.delivered(row)
+        else:
+            self.lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
+        return bool(stamped)
+
+    def delivered(self, row: ClaimedRow) -> None:
+        lag = (self._clock() - row.occurred_on).total_seconds()
+        self._metrics.delivered(self._name, row.kind or "command", max(lag, 0.0))
+
+    async def pause(self, row: ClaimedRow, token: uuid.UUID, until: datetime | None, why: str) -> None:
+        """Release the row uncharged (its downstream is down); ``explain`` reports it paused."""
+        async with self._db.bookkeeping() as connection:
+            await self._leases.release(
+                connection, [row.id], token, until=until, error=f"{PAUSED_PREFIX}{why}"
+            )
+
+    async def fail(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
+        """Charge one retry, or dead-letter the row when it is finished with."""
+        attempt, reason = classify(row, error, self._settings.max_retries)
+        delay = backoff_seconds(
+            attempt,
+            base=self._settings.retry_backoff_base_seconds,
+            cap=self._settings.lease_seconds,
+            rng=self._rng,
+        )
+        failure = Failure(attempt, reason, describe(error), self._clock() + timedelta(seconds=delay))
+        if not await self._record(row, token, failure, error):
+            self.lost(row, "while recording its failure")
+            return
+        self._metrics.failed(self._name)
+        if reason is None:
+            log.warning(
+                "%s row %s (%s) failed attempt %s/%s, retrying in %.1fs: %s",
+                *(self._name, row.id, row.name, attempt, self._settings.max_retries, delay, failure.message),
+            )
+            return
+        self._metrics.dead_lettered(self._name, reason)
+        log.error(
+            "%s row %s (%s) dead-lettered (%s) after %s attempt(s): %s",
+            *(self._name, row.id, row.name, reason, attempt, failure.message),
+        )
+
+    async def _record(
+        self, row: ClaimedRow, token: uuid.UUID, failure: Failure, error: BaseException
+    ) -> bool:
+        try:
+            return await self._write_failure(row, token, failure)
+        except Exception as refused:
+            if is_database_outage(refused):
+                raise
+            log.warning("%s row %s: its failure could not be recorded as is: %s", self._name, row.id, refused)
+            unrecorded = type(refused).__name__
+            plain = f"{type(error).__name__} (the failure's text could not be recorded: {unrecorded})"
+            return await self._write_failure(row, token, dataclasses.replace(failure, message=plain))
+
+    async def _write_failure(self, row: ClaimedRow, token: uuid.UUID, failure: Failure) -> bool:
+        async with self._db.bookkeeping() as connection:
+            return await self._leases.record_failure(
+                connection,
+                row.id,
+                token,
+                now=self._clock(),
+                error=failure.message,
+                retry_count=failure.attempt,
+                retry_at=failure.retry_at,
+                dead_letter_reason=failure.reason,
+            )
+
+    def lost(self, row: ClaimedRow, when: str) -> None:
+        self._metrics.lost_lease(self._name)
+        log.warning("%s row %s (%s): lease lost %s", self._name, row.id, row.name, when)

@@ -1,0 +1,583 @@
+"""The HTTP edge: bearer tokens, request limits, refused text, the request context, tracing,
+and the FastAPI dependencies routes use.
+
+Bearer tokens: HS256 JWTs carrying ``sub`` (user), ``tenant`` and ``roles``.
+
+Minting exists for development and tests (``python -m <package> token``); production services
+usually receive tokens from an identity provider that shares the secret or key.
+
+The HTTP edge: request limits, the request context, tracing, and the FastAPI dependencies.
+
+Refusing, before any route reads it, text no database stores alike: NUL, unpaired surrogates and
+invalid UTF-8, wherever they are (path, query, a JSON or form body, keys included); and, in a JSON
+body, numbers JSON has no finite value for: ``NaN``, ``Infinity``, ``-Infinity`` and literals
+beyond the float range (``1e400``). Python's parser reads them (as nan and inf), so a model
+would hold a value no JSON encoder writes back, and the 422 that echoed it failed with a 500.
+
+The HTTP edge: what is refused before any route parses a request.
+
+* A body over ``API__MAX_BODY_BYTES`` is 413: at once when ``Content-Length`` says so, otherwise
+  as soon as the bytes received pass the limit (a chunked body is counted as it streams, never
+  read to its end).
+* A body not fully received within ``API__BODY_READ_TIMEOUT_SECONDS`` is 408 and the connection
+  is closed: a client sending a byte now and then would otherwise hold a request for ever. (The
+  request head's own time limit is the server's: ``runtime/server.py``.)
+* Text that no database stores alike (see :mod:`.text`) in the path, the query, or a JSON or
+  form body is 422 for every route, including the ones a context adds later, so SQLite and
+  PostgreSQL give one answer. Other content types (uploads) pass on as bytes.
+
+The common case stays cheap: the body is read once (bounded by the limit) and handed on
+unchanged; a JSON body is decoded once and parsed a second time only when it holds a ``\\u0000``
+or ``\\uD800``-``\\uDFFF`` escape, the only way JSON text can carry those characters (a surrogate
+*pair* is one ordinary character and passes).
+
+HTTP server spans from the maintained OpenTelemetry FastAPI instrumentation (tracing on only).
+
+It names each span after the route template (``GET /orders/{order_id}``), records the HTTP
+semantic-convention attributes and continues the caller's ``traceparent``; the service's
+request context then reads that span's ``traceparent`` for the outbox rows the request writes.
+The probes and ``/metrics`` get no span: an orchestrator polling them would bury the requests.
+The per-message ``receive``/``send`` sub-spans are left out for the same reason.
+
+HTTP glue shared by every bounded context: the request context and error mapping.
+
+:class:`RequestContextMiddleware` reads ``X-Correlation-Id`` (validated, generated when absent,
+echoed on every response) and the bearer token, and sets the ambient request context for the
+request. A bad token does not fail the request by itself; endpoints that need an identity depend
+on :func:`authenticated`, which answers 401 with the reason.
+
+The outbox rows a request writes carry a ``traceparent``: with tracing on, that of the server span
+the OpenTelemetry FastAPI instrumentation opened around the request (see ``trace_requests``);
+with tracing off, the caller's own, so a trace that started upstream runs on through this
+service, or a fresh one, so every row can still be followed in the logs.
+
+FastAPI dependencies a context's routes use: the caller (401 without a valid token, 403 without
+a role) and the unit-of-work factory.
+
+The ``Idempotency-Key`` header of a create command, and its answer (see ``idempotency/keys``).
+
+A route takes ``key: Annotated[IdempotencyKey | None, Depends(idempotency_key)]``, runs its
+command through ``run_once(units, operation, key=key, request=..., status_code=201)`` and returns
+``idempotent_response(answer)``: the first answer's status and exact bytes, with
+``Idempotent-Replayed: true`` when it is a repeat."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Annotated, Any, cast
+from urllib.parse import parse_qsl
+
+import jwt
+from fastapi import FastAPI, Header, HTTPException, Request, Response, status
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from outbox_kit.application.context import (
+    MAX_ROLES_BYTES,
+    MAX_TENANT_BYTES,
+    MAX_USER_BYTES,
+    InvalidContextError,
+    RequestContext,
+    current_context,
+    fits,
+    flattened_size,
+    new_correlation_id,
+    new_traceparent,
+    use_context,
+    utf8_size,
+    validate_correlation_id,
+    validate_traceparent,
+)
+from outbox_kit.application.observability import Clock, NoTracing, Tracing
+from outbox_kit.application.text import is_plain_identifier, is_storable, shorten
+from outbox_kit.application.unit_of_work import UnitOfWorkFactory
+from outbox_kit.persistence.idempotency import Answer, IdempotencyKey
+
+# Far above any token this service mints (three short claims); a longer one is refused before
+# it is decoded, so an oversized header costs no base64 and JSON work.
+MAX_TOKEN_LENGTH = 8192
+# The registered times, in seconds since the epoch. PyJWT reads them with int(), so a string, a
+# float and 1e308 (a token that never expires) passed; a time is an integer up to 9999-12-31.
+TIME_CLAIMS = ("exp", "nbf", "iat")
+LATEST_TIME = 253_402_300_799
+
+
+class InvalidTokenError(ValueError):
+    """The bearer token is missing a claim, expired, or not signed with our secret."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """What a verified token says about the caller."""
+
+    user_id: str
+    tenant_id: str
+    roles: tuple[str, ...]
+
+
+class TokenService:
+    """Mint and verify tokens with one shared secret."""
+
+    def __init__(
+        self,
+        *,
+        secret: str,
+        algorithm: str = "HS256",
+        issuer: str = "",
+        audience: str = "",
+        ttl: timedelta = timedelta(hours=1),
+        clock: Clock,
+    ) -> None:
+        self._secret = secret
+        self._algorithm = algorithm
+        self._issuer = issuer
+        self._audience = audience
+        self._ttl = ttl
+        self._clock = clock
+
+    def mint(self, *, user_id: str, tenant_id: str, roles: tuple[str, ...] = ()) -> str:
+        now: datetime = self._clock()
+        claims: dict[str, Any] = {
+            "sub": user_id,
+            "tenant": tenant_id,
+            "roles": list(roles),
+            "iat": now,
+            "exp": now + self._ttl,
+        }
+        if self._issuer:
+            claims["iss"] = self._issuer
+        if self._audience:
+            claims["aud"] = self._audience
+        return jwt.encode(claims, self._secret, algorithm=self._algorithm)
+
+    def verify(self, token: str) -> Identity:
+        if len(token) > MAX_TOKEN_LENGTH:
+            msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
+            raise InvalidTokenError(msg)
+        try:
+            claims = jwt.decode(
+                token,
+                self._secret,
+                algorithms=[self._algorithm],
+                issuer=self._issuer or None,
+                audience=self._audience or None,
+                options={"require": ["sub", "exp"]},
+            )
+        except jwt.PyJWTError as error:
+            msg = f"invalid bearer token: {error}"
+            raise InvalidTokenError(msg) from error
+        return self._identity(claims)
+
+    @staticmethod
+    def _identity(claims: dict[str, Any]) -> Identity:
+        _refuse_odd_times(claims)
+        user, tenant, roles = claims.get("sub"), claims.get("tenant"), claims.get("roles", [])
+        # Bytes in UTF-8, the unit consumers bound the signed headers in: a value that fit in
+        # characters but not in bytes was accepted here and refused by every consumer.
+        user = _bounded_text("sub", user, MAX_USER_BYTES)
+        tenant = _bounded_text("tenant", tenant, MAX_TENANT_BYTES)
+        if isinstance(roles, str):
+            roles = [r for r in roles.split(",") if r]
+        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+            msg = "invalid bearer token: 'roles' must be a list of strings"
+            raise InvalidTokenError(msg)
+        if flattened_size(roles) > MAX_ROLES_BYTES:
+            msg = (
+                f"invalid bearer token: 'roles' must be at most {MAX_ROLES_BYTES} bytes in UTF-8 "
+                f"comma-joined, got {flattened_size(roles)}"
+            )
+            raise InvalidTokenError(msg)
+        _refuse_control_characters(sub=[user], tenant=[tenant], roles=roles)
+        return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+
+
+def _bounded_text(claim: str, value: object, limit: int) -> str:
+    if isinstance(value, str) and fits(value, limit):
+        return value
+    got = f", got {utf8_size(value)}" if isinstance(value, str) else ""
+    msg = f"invalid bearer token: '{claim}' must be a string of 1-{limit} bytes in UTF-8{got}"
+    raise InvalidTokenError(msg)
+
+
+def _refuse_odd_times(claims: dict[str, Any]) -> None:
+    for claim in TIME_CLAIMS:
+        value = claims.get(claim)
+        if value is None:
+            continue
+        if type(value) is not int or not 0 <= value <= LATEST_TIME:
+            msg = f"invalid bearer token: '{claim}' must be an integer number of seconds up to {LATEST_TIME}"
+            raise InvalidTokenError(msg)
+
+
+def _refuse_control_characters(**claims: list[str]) -> None:
+    """The identity is copied into every row, header and log line the request causes: a CRLF
+    or NUL there would forge lines or break storage, so the whole token is refused."""
+    for claim, values in claims.items():
+        if not all(is_plain_identifier(value) for value in values):
+            msg = f"invalid bearer token: '{claim}' must not contain control characters"
+            raise InvalidTokenError(msg)
+
+
+UNSTORABLE_MESSAGE = "NUL characters, unpaired surrogates and invalid UTF-8 are not accepted in text"
+NON_FINITE_MESSAGE = (
+    "non-finite numbers (NaN, Infinity, or beyond the float range such as 1e400) are not accepted"
+)
+
+_RISKY_ESCAPE = re.compile(r"\\u(?:0000|[dD][89a-fA-F][0-9a-fA-F]{2})")
+# What a non-finite number needs: the words, an exponent of 3+ digits, or 200+ digits in a row
+# (a 2-digit exponent reaches 1e308 only with 210+ integer digits). Only a body with one of these
+# is parsed here a second time; a match inside a string is a false alarm the parse clears. The
+# digit run matches only at its start: tried at every digit, a long run cost quadratic time.
+_RISKY_NUMBER = re.compile(r"NaN|Infinity|[eE]\+?[0-9]{3}|(?<![0-9])[0-9]{200}")
+
+Location = list[str | int]
+
+
+class Refused(Exception):  # noqa: N818 (a control-flow signal carrying the answer)
+    def __init__(self, response: JSONResponse) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
+def unstorable(location: Location) -> Refused:
+    error = {"type": "unstorable_text", "loc": location, "msg": UNSTORABLE_MESSAGE}
+    return Refused(JSONResponse({"detail": [error]}, status_code=422))
+
+
+def non_finite(location: Location) -> Refused:
+    error = {"type": "non_finite_number", "loc": location, "msg": NON_FINITE_MESSAGE}
+    return Refused(JSONResponse({"detail": [error]}, status_code=422))
+
+
+class _NonFinite:
+    """Stands, in the parsed document, for a number that has no finite value."""
+
+
+_NON_FINITE = _NonFinite()
+
+
+def _finite_or_marker(literal: str) -> float | _NonFinite:
+    number = float(literal)
+    return number if math.isfinite(number) else _NON_FINITE
+
+
+def _refuse_unstorable_url(scope: Scope) -> None:
+    if not is_storable(str(scope.get("path", ""))):
+        raise unstorable(["path"])
+    query: bytes = scope.get("query_string", b"")
+    if b"%" in query:  # a NUL can only arrive percent-encoded
+        _refuse_unstorable_pairs("query", query)
+
+
+def _refuse_unstorable_pairs(where: str, encoded: bytes) -> None:
+    for name, value in parse_qsl(encoded.decode("latin-1"), keep_blank_values=True):
+        if not (is_storable(name) and is_storable(value)):
+            raise unstorable([where, shorten(name)])
+
+
+def _refuse_unstorable_body(content_type: str, body: bytes) -> None:
+    media_type = content_type.partition(";")[0].strip().lower()
+    if media_type == "application/json" or media_type.endswith("+json"):
+        _refuse_unstorable_json(body)
+    elif media_type == "application/x-www-form-urlencoded":
+        _refuse_unstorable_pairs("body", body)
+
+
+def _refuse_unstorable_json(body: bytes) -> None:
+    try:
+        # Strict UTF-8: JSON parsers decode with 'surrogatepass' and would let encoded surrogates in.
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise unstorable(["body"]) from None
+    if not is_storable(text):
+        raise unstorable(["body"])
+    if _RISKY_ESCAPE.search(text) is None and _RISKY_NUMBER.search(text) is None:
+        return
+    try:
+        document = json.loads(text, parse_constant=lambda _: _NON_FINITE, parse_float=_finite_or_marker)
+    except (ValueError, RecursionError):
+        return  # malformed JSON: the route's own parser answers it
+    found = _first_refused(document)
+    if found is not None:
+        location, refusal = found
+        raise refusal(["body", *location])
+
+
+def _first_refused(document: Any) -> tuple[Location, Callable[[Location], Refused]] | None:  # noqa: ANN401
+    """Where the first unstorable string (value or key) or non-finite number sits, and the
+    refusal for it; iterative, so depth costs no stack."""
+    stack: list[tuple[Location, Any]] = [([], document)]
+    while stack:
+        location, value = stack.pop()
+        if isinstance(value, str):
+            if not is_storable(value):
+                return location, unstorable
+        elif value is _NON_FINITE:
+            return location, non_finite
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not is_storable(key):
+                    return [*location, shorten(key)], unstorable
+                stack.append(([*location, key], item))
+        elif isinstance(value, list):
+            stack.extend(([*location, index], item) for index, item in enumerate(value))
+    return None
+
+
+class _ClientLeft(Exception):  # noqa: N818 (a control-flow signal)
+    """The client disconnected while sending the body: nobody is left to answer."""
+
+
+def too_large(limit: int) -> Refused:
+    detail = f"the request body is larger than {limit} bytes"
+    return Refused(JSONResponse({"detail": detail}, status_code=413))
+
+
+def too_slow(seconds: float) -> Refused:
+    detail = f"the request body did not arrive within {seconds:g} s (API__BODY_READ_TIMEOUT_SECONDS)"
+    # The rest of the body may still be on its way: the connection is not reused.
+    return Refused(JSONResponse({"detail": detail}, status_code=408, headers={"connection": "close"}))
+
+
+class RequestEdgeMiddleware:
+    """Pure ASGI middleware: size and time limits and the unstorable-text check for every HTTP
+    request."""
+
+    def __init__(self, app: ASGIApp, *, max_body_bytes: int, body_read_timeout_seconds: float) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_seconds = body_read_timeout_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        try:
+            self._refuse_a_declared_excess(headers)
+            _refuse_unstorable_url(scope)
+            body = await self._read_body(receive)
+            _refuse_unstorable_body(headers.get("content-type", ""), body)
+        except Refused as refusal:
+            await refusal.response(scope, receive, send)
+            return
+        except _ClientLeft:
+            return
+        await self.app(scope, _replaying(body, receive), send)
+
+    def _refuse_a_declared_excess(self, headers: Headers) -> None:
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise too_large(self.max_body_bytes)
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_read_timeout_seconds):
+                return await self._read_body_untimed(receive)
+        except TimeoutError:
+            raise too_slow(self.body_read_timeout_seconds) from None
+
+    async def _read_body_untimed(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientLeft
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large(self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """The body read here once, then the server's own messages (a disconnect, say)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+UNTRACED_PATHS = ("/livez", "/readyz", "/metrics")
+
+
+def trace_requests(app: FastAPI, tracing: Tracing) -> None:
+    """Open a server span around every request of ``app`` when tracing is on."""
+    if tracing.tracer_provider is None:
+        return
+    try:
+        from opentelemetry.instrumentation.fastapi import (  # noqa: PLC0415 (optional dependency)
+            FastAPIInstrumentor,
+        )
+    except ImportError as missing:
+        msg = "TELEMETRY__TRACING=otel needs the FastAPI instrumentation: pip install '.[otel]'"
+        raise RuntimeError(msg) from missing
+    FastAPIInstrumentor.instrument_app(
+        app,
+        tracer_provider=tracing.tracer_provider,
+        # matched against the whole URL (scheme, host and path, no query)
+        excluded_urls=",".join(f"://[^/]+{path}$" for path in UNTRACED_PATHS),
+        exclude_spans=["receive", "send"],
+    )
+
+
+log = logging.getLogger(__name__)
+CORRELATION_HEADER = "x-correlation-id"
+TOKEN_ERROR_KEY = "token_error"  # noqa: S105 (a state key, not a secret)
+
+
+class RequestContextMiddleware:
+    """Pure ASGI middleware (works for streaming responses and keeps the contextvar scoped)."""
+
+    def __init__(self, app: ASGIApp, tokens: TokenService, tracing: Tracing | None = None) -> None:
+        self.app = app
+        self.tokens = tokens
+        self.tracing: Tracing = tracing or NoTracing()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        try:
+            correlation_id = validate_correlation_id(headers.get(CORRELATION_HEADER) or new_correlation_id())
+            incoming = validate_traceparent(headers.get("traceparent"))
+        except InvalidContextError as error:
+            # A fresh id on the refusal still lets the caller and the logs talk about it.
+            headers_out = {CORRELATION_HEADER: new_correlation_id()}
+            response = JSONResponse({"detail": str(error)}, status_code=400, headers=headers_out)
+            await response(scope, receive, send)
+            return
+        traceparent = self.tracing.active_traceparent() or incoming or new_traceparent()
+        await self._handle(scope, receive, send, headers, correlation_id, traceparent)
+
+    async def _handle(  # noqa: PLR0917 (one request's pieces, handed over once)
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        headers: dict[str, str],
+        correlation_id: str,
+        traceparent: str,
+    ) -> None:
+        context = RequestContext(correlation_id=correlation_id, traceparent=traceparent)
+        authorization = headers.get("authorization", "")
+        state = scope.setdefault("state", {})
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                state[TOKEN_ERROR_KEY] = "Authorization must be 'Bearer <token>'"
+            else:
+                try:
+                    identity = self.tokens.verify(token.strip())
+                except InvalidTokenError as error:
+                    state[TOKEN_ERROR_KEY] = str(error)
+                else:
+                    context = RequestContext(
+                        tenant_id=identity.tenant_id,
+                        user_id=identity.user_id,
+                        roles=identity.roles,
+                        correlation_id=correlation_id,
+                        traceparent=traceparent,
+                        authentication_type="bearer",
+                    )
+
+        async def send_with_correlation(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
+            await send(message)
+
+        with use_context(context):
+            await self.app(scope, receive, send_with_correlation)
+
+
+def authenticated(request: Request) -> RequestContext:
+    """FastAPI dependency: the caller's context, or 401 with the reason."""
+    context = current_context()
+    if not context.is_authenticated or context.tenant_id is None:
+        reason = request.scope.get("state", {}).get(TOKEN_ERROR_KEY, "a bearer token is required")
+        raise HTTPException(
+            status_code=status.HTTP_401_UNAUTHORIZED,
+            detail=reason,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+    return context
+
+
+def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestContext]:
+    """FastAPI dependency factory: 401 without identity, 403 without ``role`` (or one of the
+    ``alternatives``)."""
+    accepted = (role, *alternatives)
+    needed = f"role {role!r}" if not alternatives else f"one of the roles {', '.join(map(repr, accepted))}"
+
+    def check(request: Request) -> RequestContext:
+        context = authenticated(request)
+        if not any(context.has_role(r) for r in accepted):
+            raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"{needed} required")
+        return context
+
+    return check
+
+
+def units_of_work(request: Request) -> UnitOfWorkFactory:
+    """FastAPI dependency: the factory the composition root put on the app."""
+    factory = getattr(request.app.state, "units_of_work", None)
+    if not callable(factory):
+        msg = "app.state.units_of_work is not set; build the app with entrypoints.app.create_app"
+        raise TypeError(msg)
+    return cast("UnitOfWorkFactory", factory)
+
+
+IDEMPOTENCY_KEY_HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"
+# Visible ASCII, as clients send UUIDs and similar tokens: no space, no control character.
+KEY_PATTERN = r"^[\x21-\x7e]+$"
+KEY_MAX_LENGTH = 255  # the column's size
+
+
+def idempotency_key(
+    request: Request,
+    key: Annotated[
+        str | None,
+        Header(
+            alias=IDEMPOTENCY_KEY_HEADER,
+            min_length=1,
+            max_length=KEY_MAX_LENGTH,
+            pattern=KEY_PATTERN,
+            description=(
+                "Makes a retry safe: the same key and body (per tenant) answer the first answer"
+                " without running the command again; the same key with another body answers 422."
+                " Kept API__IDEMPOTENCY_KEY_RETENTION_HOURS (24 h by default)."
+            ),
+        ),
+    ] = None,
+) -> IdempotencyKey | None:
+    """FastAPI dependency: the caller's key for this operation (method and path), if any."""
+    if key is None:
+        return None
+    return IdempotencyKey(key, f"{request.method} {request.url.path}")
+
+
+def idempotent_response(answer: Answer) -> Response:
+    """The answer as sent the first time (same status, same bytes)."""
+    headers = {REPLAYED_HEADER: "true"} if answer.replayed else None
+    return Response(
+        answer.body, status_code=answer.status_code, media_type="application/json", headers=headers
+    )

@@ -1,0 +1,65 @@
+"""Test helpers for a service built on the kit (import them from tests only, never from
+service code).
+
+* Fakes for fast unit tests of use cases and handlers: :class:`InMemoryUnitOfWork`,
+  :class:`InMemoryRepository` and the :class:`InMemoryStore` they share. They pass the same
+  contract tests as the SQL unit of work.
+* The "handlers do not save" rule: :class:`SaveRule` walks the call graph below every registered
+  handler and reports, with the whole chain, any path that saves on its own; a service's
+  architecture test builds it with :func:`service_save_rule` (its package, its modules and its
+  allowlist).
+* The static call graph the rule walks (:class:`CallGraph` over a :func:`source_index`), for
+  architecture rules of your own (where a publish or a subscribe may appear, say).
+"""
+
+from outbox_kit.testing.callgraph import CallGraph
+from outbox_kit.testing.fakes import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
+from outbox_kit.testing.save_rule import (
+    DEFAULT_DEPTH,
+    DEFAULT_SINKS,
+    KIT_ALLOWLIST,
+    KIT_SINKS,
+    AllowlistHit,
+    Hop,
+    Report,
+    SaveRule,
+    SinkSpec,
+    Violation,
+    service_save_rule,
+)
+from outbox_kit.testing.sources import (
+    ClassRef,
+    FunctionSource,
+    Instance,
+    Scope,
+    SourceIndex,
+    own_nodes,
+    source_index,
+    type_name,
+)
+
+__all__ = [
+    "DEFAULT_DEPTH",
+    "DEFAULT_SINKS",
+    "KIT_ALLOWLIST",
+    "KIT_SINKS",
+    "AllowlistHit",
+    "CallGraph",
+    "ClassRef",
+    "FunctionSource",
+    "Hop",
+    "InMemoryRepository",
+    "InMemoryStore",
+    "InMemoryUnitOfWork",
+    "Instance",
+    "Report",
+    "SaveRule",
+    "Scope",
+    "SinkSpec",
+    "SourceIndex",
+    "Violation",
+    "own_nodes",
+    "service_save_rule",
+    "source_index",
+    "type_name",
+]

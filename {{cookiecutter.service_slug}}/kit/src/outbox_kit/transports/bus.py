@@ -1,0 +1,168 @@
+"""The message bus port, what a publish ends in, the circuit breaker in front of a broker, and
+publishing without the outbox.
+
+How a delivery ended, as the polling core sees it: delivered (stamped already, or needing the
+stamp), or paused because its downstream is known to be down. A pause is not the row's fault:
+the row is released until ``retry_at`` without being charged a retry.
+
+A broker outage is not the message's fault. A transport raises :class:`BrokerUnavailableError`
+around its publish when it could not reach the broker; the circuit breaker answers an open
+circuit with :class:`CircuitOpenError`, a pause that releases the row uncharged.
+
+The message bus port. Only the outbox processor publishes integration events through it.
+
+A circuit breaker around the broker publish, that never charges an outage to a message.
+
+Only :class:`BrokerUnavailableError` (the transport said it could not reach the broker: a lost
+connection, a timeout, no servers) counts. Such a failure is not the message's fault, so it is
+never recorded as one of the row's retries: the row is released until the breaker may close
+(charging outages would dead-letter healthy messages during any outage longer than the retries).
+After ``failure_threshold`` consecutive outages the circuit opens for ``reset_seconds`` and no
+publish is attempted; then one trial is let through (half-open): success closes it, an outage
+opens it again. A message-level failure (an unroutable message, a consumer error on the
+in-process bus) passes through unchanged and is retried and dead-lettered as usual; it also
+proves the broker is reachable, so it closes a half-open circuit.
+
+Publishing integration events without the outbox (in-process transport, outbox off).
+
+A single-process host with the outbox off hands integration events straight to the bus right
+after its commit: best effort, with no row to retry from. Brokers never run this way: a broker
+transport with the outbox explicitly off is refused at start-up."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Protocol, TypeVar
+
+from outbox_kit.application.context import capture_context
+from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
+from outbox_kit.application.observability import Clock
+from outbox_kit.domain import utc_now
+from outbox_kit.transports.envelope import Envelope
+
+
+class Delivered(Enum):
+    """How a successful delivery left the row."""
+
+    NEEDS_STAMP = "needs_stamp"  # e.g. a broker confirmed the publish
+    STAMPED = "stamped"  # the handler's unit of work stamped it in its own transaction
+
+
+class PausedError(RuntimeError):
+    """Not the row's fault: its downstream is down. Released until ``retry_at``, uncharged."""
+
+    def __init__(self, message: str, retry_at: datetime) -> None:
+        super().__init__(message)
+        self.retry_at = retry_at
+
+
+class CircuitOpenError(PausedError):
+    """The broker is known to be down; the row is released until ``retry_at``, uncharged."""
+
+    def __init__(self, retry_at: datetime) -> None:
+        super().__init__(f"circuit open until {retry_at.isoformat()}", retry_at)
+
+
+class BrokerUnavailableError(ConnectionError):
+    """The broker could not be reached (raised by transports around their publish)."""
+
+
+class MessageBus(Protocol):
+    """A transport for integration events (in-process, RabbitMQ, Kafka, NATS or Redis)."""
+
+    name: str
+
+    async def start(self) -> None:
+        """Connect and declare the topology (queues, streams, dead-letter destinations)."""
+        ...
+
+    async def start_consuming(self) -> None:
+        """Begin delivering messages to this service's consumers (worker processes only)."""
+        ...
+
+    async def stop(self) -> None:
+        """Stop consuming and disconnect."""
+        ...
+
+    async def publish(self, envelope: Envelope) -> None:
+        """Hand one message to the transport; return only once it is durably accepted."""
+        ...
+
+    async def ping(self) -> None:
+        """Raise unless the transport is reachable (used by /readyz)."""
+        ...
+
+
+T = TypeVar("T")
+
+
+class CircuitBreaker:
+    """Consecutive-outage breaker with a half-open trial."""
+
+    def __init__(self, *, failure_threshold: int, reset_seconds: float, clock: Clock) -> None:
+        self._threshold = failure_threshold
+        self._reset = timedelta(seconds=reset_seconds)
+        self._clock = clock
+        self._failures = 0
+        self._open_until: datetime | None = None
+        self._trial_running = False
+
+    @property
+    def state(self) -> str:
+        if self._open_until is None:
+            return "closed"
+        return "open" if self._clock() < self._open_until else "half-open"
+
+    def _retry_at(self) -> datetime:
+        now = self._clock()
+        if self._open_until is not None and self._open_until > now:
+            return self._open_until
+        # Below the threshold: step back a little, growing with the streak of outages.
+        return now + min(self._reset, timedelta(seconds=self._failures))
+
+    async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        state = self.state
+        if state == "open" or (state == "half-open" and self._trial_running):
+            raise CircuitOpenError(self._retry_at())
+        self._trial_running = state == "half-open"
+        try:
+            result = await operation()
+        except BrokerUnavailableError as outage:
+            self._failures += 1
+            if self._failures >= self._threshold or state == "half-open":
+                self._open_until = self._clock() + self._reset
+            raise CircuitOpenError(self._retry_at()) from outage
+        except Exception:
+            self._close()  # the broker answered; this message is the problem
+            raise
+        finally:
+            self._trial_running = False
+        self._close()
+        return result
+
+    def _close(self) -> None:
+        self._failures = 0
+        self._open_until = None
+
+
+class DirectPublisher:
+    """Turns an integration event into an envelope under the ambient context and publishes it."""
+
+    def __init__(self, bus: Callable[[], MessageBus], registry: MessageRegistry) -> None:
+        self._bus = bus  # resolved on use: the bus is built after the unit-of-work machinery
+        self._registry = registry
+
+    async def __call__(self, event: IntegrationEvent) -> None:
+        envelope = Envelope(
+            message_id=str(uuid.uuid4()),
+            event_name=event.message_name,
+            occurred_on=getattr(event, "occurred_on", None) or utc_now(),
+            body=json.dumps(self._registry.dump(event), separators=(",", ":")).encode(),
+            context=capture_context(),
+            ordering_key=event.ordering_key(),
+        )
+        await self._bus().publish(envelope)

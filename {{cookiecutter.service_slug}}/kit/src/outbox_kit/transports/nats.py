@@ -1,0 +1,296 @@
+"""NATS JetStream.
+
+A JetStream message being consumed: its delivery count, a delayed nack as the retry, in_progress
+as the heartbeat, and a dead-letter copy on the DLQ stream.
+
+JetStream topology: the streams and durable consumers a NATS transport relies on.
+
+Declaring a stream only ever adds subjects. Services that share a namespace share its events
+stream, and during a rolling deploy the old and the new version both declare it: replacing the
+subject list with our own would make the other side's publishes fail until it declares again.
+The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
+because two services can merge at the same moment. An existing durable consumer is brought to
+the current ``max_deliver`` and ``ack_wait``.
+
+NATS JetStream: one events stream, one durable pull consumer per consumer, a DLQ stream.
+
+A failure is retried with ``nack(delay=...)`` (exponential from
+``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``); JetStream's own ``max_deliver`` (the limit plus two)
+is only the safety net for crash loops. Publishes go through JetStream (``stream=``), never core
+NATS (a core publish to a subject no stream captures is silently lost), and carry
+``Nats-Msg-Id`` so JetStream drops a duplicate publish within its dedup window.
+
+Declaring a stream only ever adds subjects. Services that share a namespace share its events
+stream, and during a rolling deploy the old and the new version both declare it: replacing the
+subject list with our own would make the other side's publishes fail until it declares again.
+The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
+because two services can merge at the same moment."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from faststream import AckPolicy
+from faststream.nats import ConsumerConfig, JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from faststream.nats.message import NatsMessage as NatsMessageType
+from faststream.nats.prometheus import NatsPrometheusMiddleware
+from nats.errors import ConnectionClosedError, MaxPayloadError, NoServersError, NotJSMessageError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
+
+from outbox_kit.application.handlers import Consumer
+from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
+from outbox_kit.transports.base import (
+    BROKER_LOG,
+    CopyLimit,
+    DeadLetterCopy,
+    DeliveryHandler,
+    FastStreamTransport,
+    ReceivedMessage,
+    as_text,
+    dead_letter_headers,
+    publish_copy,
+    undecoded_body,
+)
+from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
+
+ACK_WAIT_SECONDS = 30
+DEFAULT_MAX_PAYLOAD = 1_048_576  # the server's default, when the connection's is not at hand
+JETSTREAM_HEADER_BYTES = 65_536  # "header size exceeds maximum allowed of 64k" (err_code 10097)
+# Room for what FastStream and the client add to a publish (content-type, correlation_id).
+PUBLISH_ROOM = 1024
+# What JetStream answers about one message (headers too large, ...): the minimal copy may pass.
+REFUSALS = (BadRequestError, MaxPayloadError)
+
+
+def header_block_size(headers: Mapping[str, str]) -> int:
+    """The header block as NATS writes it: ``NATS/1.0``, one ``name: value`` line each, CRLFs."""
+    return 12 + sum(len(name.encode()) + len(value.encode()) + 4 for name, value in headers.items())
+
+
+def copy_limit(max_payload: int) -> CopyLimit:
+    """JetStream refuses headers over 64 KiB (a message-level error), and the server closes the
+    whole connection on a message (headers and body) over ``max_payload``: the client checks
+    only the body, so the copy is measured here before it is published."""
+    return CopyLimit(
+        header_bytes=JETSTREAM_HEADER_BYTES - PUBLISH_ROOM,
+        message_bytes=max_payload - PUBLISH_ROOM,
+        header_size=header_block_size,
+    )
+
+
+class NatsDelivery(ReceivedMessage):
+    def __init__(
+        self,
+        message: NatsMessageType,
+        broker: NatsBroker,
+        *,
+        dlq_subject: str,
+        dlq_stream: str,
+        delay: float,
+        publish_timeout: float,
+    ) -> None:
+        super().__init__(message)
+        self._broker = broker
+        self._dlq_subject = dlq_subject
+        self._dlq_stream = dlq_stream
+        self._delay = delay
+        self._timeout = publish_timeout
+
+    async def attempt(self) -> int:
+        try:
+            return int(self._message.raw_message.metadata.num_delivered)
+        except NotJSMessageError:  # a core-NATS message (FastStream's TestNatsBroker): no count
+            return 1
+
+    async def retry(self, attempt: int) -> None:
+        await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
+
+    @property
+    def heartbeat_seconds(self) -> float | None:
+        return ACK_WAIT_SECONDS / 3  # a handler slower than ack_wait would run twice at once
+
+    async def touch(self) -> None:
+        await self._message.in_progress()
+
+    def _max_payload(self) -> int:
+        client = getattr(self._message.raw_message, "_client", None)
+        return int(getattr(client, "max_payload", DEFAULT_MAX_PAYLOAD))
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        async def publish(body: bytes, headers: dict[str, str]) -> None:
+            # FastStream waits 0.5 s for the ack unless told: a busy server's late ack failed the copy.
+            await self._broker.publish(
+                body, self._dlq_subject, headers=headers, stream=self._dlq_stream, timeout=self._timeout
+            )
+
+        copied, essentials = dead_letter_headers(
+            self.headers, error, attempt, self._message.raw_message.subject
+        )
+        headers = {k: v for k, v in copied.items() if not k.startswith("Nats-")}
+        limit = copy_limit(self._max_payload())
+        await publish_copy(publish, self.body, headers, essentials=essentials, limit=limit, refusals=REFUSALS)
+        await self._message.ack()
+
+
+DECLARE_ATTEMPTS = 5
+
+
+def durable_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+async def ensure_stream(js: Any, name: str, subjects: list[str]) -> None:  # noqa: ANN401 (nats' JetStreamContext)
+    """Create the stream, or add our subjects to it; never drop anyone else's."""
+    refusal: Exception | None = None
+    for _ in range(DECLARE_ATTEMPTS):
+        try:
+            info = await js.stream_info(name)
+        except NotFoundError:
+            try:
+                await js.add_stream(name=name, subjects=subjects)
+            except BadRequestError as error:  # created meanwhile, or a subject taken elsewhere
+                refusal = error
+                continue
+            return
+        present = list(info.config.subjects or [])
+        if set(subjects) <= set(present):
+            return
+        info.config.subjects = sorted({*present, *subjects})
+        try:
+            await js.update_stream(config=info.config)
+        except BadRequestError as error:
+            refusal = error
+    msg = f"NATS stream {name} could not be given the subjects {subjects}: {refusal}"
+    raise RuntimeError(msg)
+
+
+async def refresh_consumer(js: Any, stream: str, durable: str, max_delivery_attempts: int) -> None:  # noqa: ANN401
+    """Bring an existing durable consumer to the current settings.
+
+    FastStream creates a missing durable consumer but leaves an existing one as it was, so a
+    raised ``MAX_DELIVERY_ATTEMPTS`` would keep the old ``max_deliver``: JetStream would stop
+    redelivering before the wrapper dead-letters, and the message would sit unacknowledged
+    forever. ``max_deliver`` and ``ack_wait`` are editable on a live consumer."""
+    try:
+        info = await js.consumer_info(stream, durable)
+    except NotFoundError:
+        return  # created with the current settings when it starts
+    wanted = {
+        "max_deliver": max_delivery_attempts + 2,
+        "ack_wait": float(ACK_WAIT_SECONDS),
+    }
+    current = {"max_deliver": info.config.max_deliver, "ack_wait": info.config.ack_wait}
+    if current != wanted:
+        info.config.max_deliver = wanted["max_deliver"]
+        info.config.ack_wait = wanted["ack_wait"]
+        await js.add_consumer(stream, config=info.config)
+
+
+class NatsTransport(FastStreamTransport):
+    label = "NATS"
+    metrics_middleware = NatsPrometheusMiddleware
+    broker: NatsBroker
+
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+        self._settings = settings
+        self._names = names
+        self.broker = NatsBroker(settings.url or "nats://localhost:4222", logger=BROKER_LOG)
+        self._events = names.stream("events")
+        self._dead_letters = names.stream("dead_letters")
+        self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        subject = self._names.channel(consumer.event_type.message_name)
+        broker = self.broker
+        dlq_subject = self._names.dead_letter_subject(consumer.name)
+        delay = self._settings.redelivery_delay_seconds
+
+        @broker.subscriber(
+            subject,
+            stream=JStream(self._events, declare=False),
+            durable=durable_name(self._names.queue(consumer.name)),
+            pull_sub=PullSub(batch_size=10, timeout=1.0),
+            config=ConsumerConfig(
+                max_deliver=self._settings.max_delivery_attempts + 2,
+                ack_wait=ACK_WAIT_SECONDS,
+                filter_subject=subject,
+            ),
+            ack_policy=AckPolicy.MANUAL,
+            decoder=undecoded_body,
+        )
+        async def on_message(message: NatsMessage) -> None:
+            await handler(
+                NatsDelivery(
+                    message,
+                    broker,
+                    dlq_subject=dlq_subject,
+                    dlq_stream=self._dead_letters,
+                    delay=delay,
+                    publish_timeout=self._settings.publish_timeout_seconds,
+                )
+            )
+
+    def _jetstream(self) -> Any:  # noqa: ANN401 (nats' JetStreamContext)
+        return self.broker.config.connection_state.stream
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        if self._subjects:
+            await ensure_stream(self._jetstream(), self._events, self._subjects)
+        await ensure_stream(self._jetstream(), self._dead_letters, [f"dlq.{self._names.queue('')}>"])
+        for consumer in consumers:
+            durable = durable_name(self._names.queue(consumer.name))
+            await refresh_consumer(
+                self._jetstream(), self._events, durable, self._settings.max_delivery_attempts
+            )
+
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        del consumers  # their durable consumers go with the stream
+        js = self.broker.config.connection_state.stream
+        for name in (self._events, self._dead_letters):
+            try:
+                await js.delete_stream(name)
+            except NotFoundError:
+                continue
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        js = self.broker.config.connection_state.stream
+        subject = self._names.dead_letter_subject(consumer.name)
+        info = await js.stream_info(self._dead_letters)
+        copies: list[DeadLetterCopy] = []
+        if not info.state.messages:
+            return copies
+        for sequence in range(max(info.state.first_seq, 1), info.state.last_seq + 1):
+            if len(copies) >= limit:
+                break
+            try:
+                message = await js.get_msg(self._dead_letters, sequence)
+            except NotFoundError:
+                continue
+            if message.subject == subject:
+                copies.append(DeadLetterCopy(as_text(message.headers or {}), message.data or b""))
+        return copies
+
+    def is_outage(self, error: BaseException) -> bool:
+        return isinstance(error, (ConnectionClosedError, NoServersError, ServiceUnavailableError))
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body,
+            self._names.channel(envelope.event_name),
+            headers=headers | {"Nats-Msg-Id": envelope.message_id},
+            stream=self._events,
+            timeout=self._settings.publish_timeout_seconds,
+        )
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.nats.opentelemetry import NatsTelemetryMiddleware  # noqa: PLC0415
+
+        return NatsTelemetryMiddleware(tracer_provider=tracer_provider)

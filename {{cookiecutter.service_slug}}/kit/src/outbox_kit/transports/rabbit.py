@@ -1,0 +1,249 @@
+"""RabbitMQ.
+
+A RabbitMQ message being consumed: the attempt read from x-death and x-delivery-count, the retry
+through the TTL queue, and the dead-letter copy.
+
+RabbitMQ: a topic exchange per namespace, a quorum queue per consumer, a TTL retry queue.
+
+Topology per consumer (declared at start-up): the main
+quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
+(``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``) dead-letters them back to the main queue; final
+failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
+``x-delivery-count``, which a quorum queue adds after a crash). Publishes are persistent,
+confirmed and mandatory on a channel that raises on return: an unroutable message is a failure.
+
+RabbitMQ refuses to redeclare a queue with other arguments (``PRECONDITION_FAILED``), and the
+retry queue's TTL is a setting: changing ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS`` after the
+first deploy would stop the service at start-up with a bare channel error. The declaration turns
+that into one line naming the queue, the setting and the safe way out."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from aiormq.exceptions import (
+    AMQPConnectionError,
+    ChannelInvalidStateError,
+    ChannelPreconditionFailed,
+    ConnectionClosed,
+)
+from faststream import AckPolicy
+from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
+from faststream.rabbit.annotations import RabbitMessage
+from faststream.rabbit.message import RabbitMessage as RabbitMessageType
+from faststream.rabbit.prometheus import RabbitPrometheusMiddleware
+from faststream.rabbit.schemas import Channel
+from pamqp.encode import field_table
+
+from outbox_kit.application.handlers import Consumer
+from outbox_kit.application.messages import MessageRegistry
+from outbox_kit.transports.base import (
+    BROKER_LOG,
+    CopyLimit,
+    DeadLetterCopy,
+    DeliveryHandler,
+    FastStreamTransport,
+    ReceivedMessage,
+    as_text,
+    broker_count,
+    dead_letter_headers,
+    publish_copy,
+    undecoded_body,
+)
+from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
+
+if TYPE_CHECKING:
+    from opentelemetry.trace import TracerProvider
+
+
+DEFAULT_FRAME_MAX = 131_072  # RabbitMQ's, when the connection's negotiated value is not at hand
+# Room in the content-header frame for what is not the header table: the frame's own fields and
+# the other properties (content type, message id, delivery mode, ...).
+PROPERTIES_ROOM = 1024
+
+
+def table_size(headers: Mapping[str, str]) -> int:
+    """The header table as AMQP encodes it into the content-header frame."""
+    return len(field_table(dict[str, Any](headers)))
+
+
+def copy_limit(frame_max: int) -> CopyLimit:
+    """The header table of a copy must fit one content-header frame (``frame_max``): a larger one
+    is a connection error, RabbitMQ closes the whole connection. Bodies travel in as many frames
+    as they need, and the copy's body is the original's, which the broker accepted."""
+    return CopyLimit(header_bytes=frame_max - PROPERTIES_ROOM, message_bytes=None, header_size=table_size)
+
+
+class RabbitDelivery(ReceivedMessage):
+    def __init__(
+        self, message: RabbitMessageType, broker: RabbitBroker, main: str, dlq: str, *, publish_timeout: float
+    ) -> None:
+        super().__init__(message, message.raw_message.headers or {})  # x-death stays a list
+        self._broker = broker
+        self._main = main
+        self._dlq = dlq
+        self._publish_timeout = publish_timeout
+
+    async def attempt(self) -> int:
+        """Rejections counted in ``x-death`` plus crash redeliveries (``x-delivery-count``), plus
+        one. Both are the broker's; a shape it never writes rejects the message (see base)."""
+        deaths = self.headers.get("x-death") or []
+        if not isinstance(deaths, list) or not all(isinstance(death, dict) for death in deaths):
+            raise RejectedMessageError(Rejection.MALFORMED_HEADER, "x-death is not a list of tables")
+        rejected = sum(
+            broker_count("x-death count", death.get("count", 0))
+            for death in deaths
+            if death.get("queue") == self._main and death.get("reason") == "rejected"
+        )
+        crashed = broker_count("x-delivery-count", self.headers.get("x-delivery-count") or 0)
+        return rejected + crashed + 1
+
+    async def retry(self, attempt: int) -> None:
+        del attempt  # the retry queue's TTL is the delay
+        await self._message.reject()  # requeue=False: main -> DLX -> retry queue -> TTL -> main
+
+    def _frame_max(self) -> int:
+        """The frame size negotiated on the connection this message came in on (FastStream
+        consumes and publishes on one connection)."""
+        try:
+            return int(self._message.raw_message.channel.connection.connection_tune.frame_max)
+        except (AttributeError, ChannelInvalidStateError):  # TestRabbitBroker, or a closed channel
+            return DEFAULT_FRAME_MAX
+
+    async def dead_letter(self, error: str, attempt: int) -> None:
+        async def publish(body: bytes, headers: dict[str, str]) -> None:
+            await self._broker.publish(
+                body,
+                queue=self._dlq,
+                headers=dict[str, Any](headers),
+                persist=True,
+                content_type=self._message.content_type or "application/json",
+                message_id=self._message.message_id,  # the AMQP property as it came (a short string)
+                timeout=self._publish_timeout,  # the confirm wait, bounded as every other publish
+            )
+
+        headers, essentials = dead_letter_headers(self.headers, error, attempt, self._main)
+        # No refusal to fall back from: the size is checked before, and what RabbitMQ refuses
+        # otherwise (NO_ROUTE: the queue is gone) no smaller copy would cure.
+        limit = copy_limit(self._frame_max())
+        await publish_copy(publish, self.body, headers, essentials=essentials, limit=limit, refusals=())
+        await self._message.ack()
+
+
+class TopologyMismatchError(RuntimeError):
+    """A queue exists on the broker with arguments other than the ones the settings give."""
+
+
+class RabbitTransport(FastStreamTransport):
+    label = "RabbitMQ"
+    metrics_middleware = RabbitPrometheusMiddleware
+    broker: RabbitBroker
+
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+        self._settings = settings
+        self._names = names
+        self._registry = registry
+        self.broker = RabbitBroker(
+            settings.url, default_channel=Channel(on_return_raises=True), logger=BROKER_LOG
+        )
+        self._exchange = RabbitExchange(names.exchange(), type=ExchangeType.TOPIC, durable=True)
+
+    def _queues(self, consumer: Consumer[Any]) -> tuple[RabbitQueue, RabbitQueue, RabbitQueue]:
+        main_name = self._names.queue(consumer.name)
+        retry_name = self._names.retry_queue(consumer.name)
+        main = RabbitQueue(
+            main_name,
+            durable=True,
+            queue_type=QueueType.QUORUM,
+            routing_key=self._names.channel(consumer.event_type.message_name),
+            arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retry_name},
+        )
+        retry = RabbitQueue(
+            retry_name,
+            durable=True,
+            arguments={
+                "x-message-ttl": int(self._settings.redelivery_delay_seconds * 1000),
+                "x-dead-letter-exchange": "",
+                "x-dead-letter-routing-key": main_name,
+            },
+        )
+        return main, retry, RabbitQueue(self._names.dead_letters(consumer.name), durable=True)
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        main, _, dlq = self._queues(consumer)
+        broker = self.broker
+        timeout = self._settings.publish_timeout_seconds
+
+        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL, decoder=undecoded_body)
+        async def on_message(message: RabbitMessage) -> None:
+            await handler(RabbitDelivery(message, broker, main.name, dlq.name, publish_timeout=timeout))
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        exchange = await self.broker.declare_exchange(self._exchange)
+        for consumer in consumers:
+            main, retry, dlq = self._queues(consumer)
+            for queue in (retry, dlq):
+                await self._declare_queue(queue)
+            declared = await self._declare_queue(main)
+            await declared.bind(exchange, routing_key=main.routing_key)
+
+    async def _declare_queue(self, queue: RabbitQueue) -> Any:  # noqa: ANN401 (aio-pika's queue)
+        try:
+            return await self.broker.declare_queue(queue)
+        except ChannelPreconditionFailed as error:
+            delay_ms = int(self._settings.redelivery_delay_seconds * 1000)
+            hint = (
+                f" Its x-message-ttl is MESSAGE_BUS__REDELIVERY_DELAY_SECONDS ({delay_ms} ms now): set "
+                "the delay back to the value it was declared with, or let the queue empty and "
+                f"delete it (rabbitmqctl delete_queue {queue.name} --if-empty) so it is declared anew."
+                if queue.name.endswith(".retry")
+                else " Delete or migrate it (its messages first) before changing how it is declared."
+            )
+            msg = f"RabbitMQ queue {queue.name} already exists with other arguments ({error}).{hint}"
+            raise TopologyMismatchError(msg) from error
+
+    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        for consumer in consumers:
+            for queue in self._queues(consumer):
+                declared = await self.broker.declare_queue(queue)
+                await declared.delete(if_unused=False, if_empty=False)
+        exchange = await self.broker.declare_exchange(self._exchange)
+        await exchange.delete(if_unused=False)
+
+    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+        queue = await self.broker.declare_queue(self._queues(consumer)[2])
+        copies = []
+        for _ in range(limit):
+            message = await queue.get(no_ack=True, fail=False)
+            if message is None:
+                break
+            copies.append(DeadLetterCopy(as_text(message.headers or {}), message.body))
+        return copies
+
+    def is_outage(self, error: BaseException) -> bool:
+        if isinstance(error, (AMQPConnectionError, ChannelInvalidStateError, ConnectionClosed)):
+            return True
+        # When a channel or connection closes without a reason, aiormq fails every pending
+        # confirm with a bare ``Exception()`` (``FutureStore.reject_all(None)``): seen when the line
+        # to the broker is cut mid-publish. Nothing else in a publish raises one.
+        return type(error) is Exception and not error.args
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+        await self.broker.publish(
+            envelope.body,
+            exchange=self._exchange,
+            routing_key=self._names.channel(envelope.event_name),
+            persist=True,
+            mandatory=True,
+            headers=dict[str, Any](headers),
+            message_id=envelope.message_id,
+            content_type="application/json",
+            timeout=self._settings.publish_timeout_seconds,
+        )
+
+    def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
+        from faststream.rabbit.opentelemetry import RabbitTelemetryMiddleware  # noqa: PLC0415
+
+        return RabbitTelemetryMiddleware(tracer_provider=tracer_provider)
