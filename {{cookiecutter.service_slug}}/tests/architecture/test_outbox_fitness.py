@@ -53,6 +53,7 @@ from outbox_kit.domain import (
     DomainEvent,
     validate_event_name,
 )
+from outbox_kit.runtime.container import build_registry
 from outbox_kit.testing import (
     CallGraph,
     ClassRef,
@@ -64,8 +65,7 @@ from outbox_kit.testing import (
     type_name,
 )
 
-from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
-from {{ cookiecutter.package_name }}.container import Container
+from {{ cookiecutter.package_name }}.container import Container, build_modules
 
 pytestmark = pytest.mark.architecture
 
@@ -266,10 +266,13 @@ def test_the_processor_publishes_through_the_message_bus(graph: CallGraph) -> No
 
 
 def source_classes(graph: CallGraph, base: type[Any]) -> list[type[Any]]:
-    """Every subclass of ``base`` defined in the package source (registered or not)."""
+    """Every subclass of ``base`` defined in the package source (registered or not), but the
+    kit's test harness (its messages are registered by the tests that use them)."""
     wanted = type_name(base)
     found: list[type[Any]] = []
     for key, cls in graph.index.classes.items():
+        if key.startswith("outbox_kit.testing."):
+            continue
         if key != wanted and wanted in graph.ancestors(key):
             module = importlib.import_module(cls.module.name)
             path = key.removeprefix(f"{module.__name__}.").split(".")

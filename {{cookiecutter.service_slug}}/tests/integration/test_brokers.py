@@ -36,6 +36,7 @@ from outbox_kit.consume.inbox import current_delivery
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.testing.harness import CounterChangedV1, install_kit, record_effect
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.nats import (
     NatsTransport,
@@ -57,7 +58,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import SERVICE_URLS, acting_as, eventually, fresh_sqlite, make_settings
-from ..kit import CounterChangedV1, install_kit, record_effect
 from ..tcp_proxy import TcpProxy, tcp_proxy
 
 pytestmark = pytest.mark.integration
@@ -171,7 +171,7 @@ async def effects_become(container: Container, expected: list[str], timeout: flo
 
 
 async def effects_of(container: Container) -> list[str]:
-    from ..kit import effects
+    from outbox_kit.testing.harness import effects
 
     async with container.database().session() as session:
         return await effects(session)

@@ -37,6 +37,15 @@ from outbox_kit.persistence.tables import (
 from outbox_kit.processor.claim import (
     ClaimedRow,
 )
+from outbox_kit.testing.harness import (
+    FakeClock,
+    ScriptedDeliverer,
+    insert_rows,
+    outbox_source,
+    polled_source,
+    row,
+    state,
+)
 from outbox_kit.transports.bus import (
     Delivered,
 )
@@ -48,8 +57,7 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import FakeClock, make_settings
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, polled_source, row, state
+from ..conftest import make_settings
 
 pytestmark = pytest.mark.integration
 

@@ -22,6 +22,19 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.testing.harness import (
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Noted,
+    RecordEffect,
+    ScriptedDeliverer,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    record_effect,
+    row,
+)
 from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.container import (
@@ -30,16 +43,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import (
-    Counter,
-    CounterChangedV1,
-    Counters,
-    Noted,
-    RecordEffect,
-    install_kit,
-    record_effect,
-)
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row
 
 pytestmark = pytest.mark.integration
 HANG = "hang"
@@ -166,7 +169,7 @@ async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
 
 
 async def _effects(container: Container) -> list[str]:
-    from ..kit import effects
+    from outbox_kit.testing.harness import effects
 
     async with container.database().session() as session:
         return await effects(session)

@@ -14,8 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.composition.edges import build_tokens
+from outbox_kit.runtime.container import build_tokens
 
 from ..conftest import free_port, make_settings
 

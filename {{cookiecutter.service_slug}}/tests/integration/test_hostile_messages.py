@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from outbox_kit.testing.harness import CounterChangedV1
 from outbox_kit.transports.base import (
     DeadLetterCopy,
     ReceivedMessage,
@@ -42,7 +43,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import SERVICE_URLS, eventually
-from ..kit import CounterChangedV1
 from .test_brokers import CONSUMER, TRANSPORTS, Start, effects_become, effects_of, envelope
 from .test_brokers import start as start  # the fixture  # noqa: PLC0414
 

@@ -26,13 +26,13 @@ from outbox_kit.persistence.idempotency import (
 from outbox_kit.persistence.tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
+from outbox_kit.testing.harness import COUNTERS, Counter, Counters, install_kit
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
 from ..conftest import ContainerFactory, acting_as, fetch
-from ..kit import COUNTERS, Counter, Counters, install_kit
 
 pytestmark = pytest.mark.integration
 KEY = IdempotencyKey("k-1", "POST /counters")

@@ -28,6 +28,18 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
+from outbox_kit.testing.harness import (
+    Counter,
+    Counters,
+    Created,
+    FakeClock,
+    Kit,
+    Noted,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+)
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -37,9 +49,7 @@ from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )
 
-from ..conftest import ContainerFactory, FakeClock, acting_as, eventually, fetch, make_settings
-from ..kit import Counter, Counters, Created, Kit, Noted, install_kit
-from .processor_kit import insert_rows, outbox_source, row
+from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
 
 pytestmark = pytest.mark.integration
 

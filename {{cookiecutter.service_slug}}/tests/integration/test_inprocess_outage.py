@@ -7,15 +7,20 @@ import pytest
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.testing.harness import (
+    CounterChangedV1,
+    FakeClock,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+    state,
+)
 from sqlalchemy.exc import DBAPIError
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
-
-from ..conftest import FakeClock
-from ..kit import CounterChangedV1, install_kit
-from .processor_kit import insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
 PAYLOAD = {"counter_id": "c-1", "value": 1}

@@ -17,15 +17,13 @@ from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
 from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.testing.harness import FakeClock, ScriptedDeliverer, insert_rows, outbox_source, row, state
 from outbox_kit.transports.bus import Delivered
 from sqlalchemy.exc import DataError
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
-
-from ..conftest import FakeClock
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
 

@@ -24,6 +24,20 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,
 )
+from outbox_kit.testing.harness import (
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Created,
+    FakeClock,
+    ScriptedDeliverer,
+    all_rows,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+    state,
+)
 from outbox_kit.transports.bus import CircuitOpenError, Delivered
 from sqlalchemy.exc import DBAPIError
 
@@ -32,10 +46,8 @@ from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as, eventually, make_settings
-from ..kit import Counter, CounterChangedV1, Counters, Created, install_kit
+from ..conftest import SERVICE_URLS, ContainerFactory, acting_as, eventually, make_settings
 from ..tcp_proxy import tcp_proxy
-from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
 

@@ -26,13 +26,13 @@ from outbox_kit.persistence.tables import OUTBOX_TABLE, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import CycleResult, Processor
+from outbox_kit.testing.harness import FakeClock, ScriptedDeliverer, insert_rows, outbox_source, row, state
 from outbox_kit.transports.bus import Delivered
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
 
-from ..conftest import FakeClock, make_settings
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+from ..conftest import make_settings
 
 
 async def claim_all(source: TableSource) -> tuple[list[ClaimedRow], uuid.UUID]:

@@ -23,6 +23,7 @@ from outbox_kit.domain import ConcurrencyError, NotFoundError
 from outbox_kit.persistence.tables import COMMAND_TABLE, INTEGRATION, OUTBOX_TABLE
 from outbox_kit.public import TransactionalUnitOfWork
 from outbox_kit.testing import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
+from outbox_kit.testing.harness import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -30,7 +31,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import acting_as, fetch, make_settings
-from ..kit import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
 
 pytestmark = pytest.mark.integration
 

@@ -38,6 +38,18 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
+from outbox_kit.testing.harness import (
+    COUNTERS,
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Created,
+    Incremented,
+    Kit,
+    RecordEffect,
+    install_kit,
+    record_effect,
+)
 from sqlalchemy.exc import OperationalError
 from sqlmodel import select
 
@@ -50,18 +62,6 @@ from {{ cookiecutter.package_name }}.settings import (
 )
 
 from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import (
-    COUNTERS,
-    Counter,
-    CounterChangedV1,
-    Counters,
-    Created,
-    Incremented,
-    Kit,
-    RecordEffect,
-    install_kit,
-    record_effect,
-)
 
 pytestmark = pytest.mark.integration
 

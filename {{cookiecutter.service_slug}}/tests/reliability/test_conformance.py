@@ -38,6 +38,7 @@ from outbox_kit.operations.requests import EVERY_TENANT
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from outbox_kit.testing.harness import DELIVERIES
 from outbox_kit.transports.envelope import Signer
 from sqlalchemy.engine import make_url
 
@@ -51,7 +52,6 @@ from ..integration.test_hostile_messages import (
     dead_letters_of,
     hostile_messages,
 )
-from ..kit import DELIVERIES
 from ..tcp_proxy import TcpProxy, tcp_proxy
 from .conformance import (
     Fleet,

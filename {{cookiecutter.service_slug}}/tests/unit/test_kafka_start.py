@@ -10,12 +10,12 @@ import asyncio
 from typing import Any
 
 import pytest
+from outbox_kit.testing.harness import CounterChangedV1, install_kit
 from outbox_kit.transports.kafka import (
     KafkaTransport,
 )
 
 from ..conftest import make_settings
-from ..kit import CounterChangedV1, install_kit
 
 pytestmark = pytest.mark.unit
 

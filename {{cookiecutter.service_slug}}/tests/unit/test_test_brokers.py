@@ -33,6 +33,7 @@ from outbox_kit.application.messages import (
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
 from outbox_kit.transports.base import undecoded_body
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.kafka import (
@@ -52,7 +53,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import acting_as, make_settings
-from ..kit import CounterChangedV1, effects, install_kit, record_effect
 
 pytestmark = pytest.mark.unit
 TEST_BROKERS: dict[str, Any] = {

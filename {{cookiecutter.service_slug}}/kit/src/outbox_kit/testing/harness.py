@@ -1,5 +1,7 @@
-"""A tiny bounded context used only by the tests, so the kit is proven whether or
-not the example contexts were generated: a ``Counter`` aggregate with its own table (created by
+"""What the kit's tests and a service's framework tiers drive the kit with, without any service's
+contexts: a clock moved by hand, a scripted deliverer and helpers that drive one processor source
+by hand over raw rows, and a tiny bounded context (so a service's tiers prove the kit whether or
+not the example was generated): a ``Counter`` aggregate with its own table (created by
 the fixture, outside the migrations), events, an integration event and an internal command."""
 
 from __future__ import annotations
@@ -7,9 +9,12 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 import sqlalchemy as sa
+from sqlmodel.ext.asyncio.session import AsyncSession
+
 from outbox_kit.application.context import (
     current_context,
 )
@@ -17,6 +22,7 @@ from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
 )
+from outbox_kit.application.observability import SpanKind, TimeLimit
 from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,
@@ -25,14 +31,15 @@ from outbox_kit.domain import (
 from outbox_kit.persistence.repository import (
     Repository,
 )
+from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
-from sqlmodel.ext.asyncio.session import AsyncSession
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
+from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.processor.cycle import TableSource
+from outbox_kit.processor.processor import SourceSettings
+from outbox_kit.runtime.container import OutboxContainer, source_settings
+from outbox_kit.transports.bus import Delivered
 
 metadata = sa.MetaData()
 COUNTERS = sa.Table(
@@ -158,7 +165,7 @@ class SqlCounters(Repository[Counter]):
 
     async def persist(self, aggregate: Counter) -> int:
         if aggregate.version == 0:
-            await self.session.exec(  # type: ignore[call-overload]
+            await self.session.exec(
                 sa.insert(COUNTERS).values(
                     id=aggregate.id, tenant_id=aggregate.tenant_id, value=aggregate.value, version=1
                 )
@@ -169,9 +176,7 @@ class SqlCounters(Repository[Counter]):
 
 async def record_effect(uow: SqlUnitOfWork, label: str) -> None:
     """What a handler's state change looks like here: a row in the handler's transaction."""
-    await uow.session.exec(  # type: ignore[call-overload]
-        sa.insert(EFFECTS).values(label=label, tenant_id=current_context().tenant_id)
-    )
+    await uow.session.exec(sa.insert(EFFECTS).values(label=label, tenant_id=current_context().tenant_id))
 
 
 async def effects(session: AsyncSession) -> list[str]:
@@ -186,7 +191,7 @@ Handler = Callable[[Any, SqlUnitOfWork], Awaitable[None]]
 class Kit:
     """The test context installed on one container."""
 
-    container: Container
+    container: OutboxContainer
     seen: list[tuple[str, Any]] = field(default_factory=list)
 
     def on(self, event_type: type[Any], handler: Handler) -> None:
@@ -205,7 +210,7 @@ class Kit:
             return await effects(session)
 
 
-async def install_kit(container: Container, *, create_tables: bool = True) -> Kit:
+async def install_kit(container: OutboxContainer, *, create_tables: bool = True) -> Kit:
     """Register the kit's messages and adapters on ``container`` and (re)create its tables."""
     container.registry().register(Created, Incremented, Noted, CounterChangedV1, RecordEffect)
     adapters = dict(container.units_of_work().adapters)
@@ -219,3 +224,125 @@ async def install_kit(container: Container, *, create_tables: bool = True) -> Ki
         for table in metadata.sorted_tables:  # the PostgreSQL test database lives for a session
             await connection.execute(table.delete())
     return Kit(container)
+
+
+# -- driving a processor source by hand -------------------------------------------------------
+
+
+class FakeClock:
+    """A clock tests move by hand (the processor takes its time only from its clock)."""
+
+    def __init__(self, start: datetime | None = None) -> None:
+        self.now = start or datetime.now(UTC)
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += timedelta(seconds=seconds)
+
+
+@dataclass
+class ScriptedDeliverer:
+    """Delivers by running ``script(row)``; records what it was asked to deliver."""
+
+    script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
+    delivered: list[ClaimedRow] = field(default_factory=list)
+    fresh_lease: bool = True  # like a handler; False like a publish (renewed only when short)
+
+    def needs_fresh_lease(self, row: ClaimedRow) -> bool:
+        del row
+        return self.fresh_lease
+
+    def span_kind(self, row: ClaimedRow) -> SpanKind:
+        del row
+        return SpanKind.INTERNAL
+
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+        del token
+        self.delivered.append(row)
+        if self.script is not None:
+            async with limit():  # the script stands for the handlers or the publish
+                return await self.script(row)
+        return Delivered.NEEDS_STAMP
+
+
+def outbox_source(
+    container: OutboxContainer, deliverer: Any, clock: FakeClock | None = None, **overrides: Any
+) -> TableSource:
+    return polled_source(container, "outbox", deliverer, clock, **overrides)
+
+
+def command_source(
+    container: OutboxContainer, clock: FakeClock | None = None, **overrides: Any
+) -> TableSource:
+    """The internal-command processor's source with the service's deliverer, on ``clock``."""
+    return polled_source(container, "internal_commands", container.command_deliverer(), clock, **overrides)
+
+
+def polled_source(
+    container: OutboxContainer,
+    name: str,
+    deliverer: Any,
+    clock: FakeClock | None = None,
+    *,
+    instance_id: str = "processor-a",
+    **overrides: Any,
+) -> TableSource:
+    table, column = (OUTBOX_TABLE, "event_name") if name == "outbox" else (COMMAND_TABLE, "command_name")
+    settings = source_settings(container.settings())
+    values = {**settings.__dict__, **overrides}
+    return TableSource(
+        name=name,
+        table=table,
+        name_column=column,
+        settings=SourceSettings(**values),
+        database=container.database(),
+        deliverer=deliverer,
+        clock=clock or container.clock(),
+        instance_id=instance_id,
+        metrics=container.metrics(),
+    )
+
+
+async def insert_rows(
+    container: OutboxContainer, rows: list[dict[str, Any]], table: sa.Table = OUTBOX_TABLE
+) -> list[uuid.UUID]:
+    """Insert raw rows into a polled table, the outbox by default (seq assigned in list order)."""
+    ids = []
+    async with container.database().session() as session:
+        for values in rows:
+            row_id = values.pop("id", None) or uuid.uuid4()
+            ids.append(row_id)
+            statement = sa.insert(table).values(id=row_id, **values)
+            if container.database().dialect != "postgresql":
+                next_seq = sa.select(sa.func.coalesce(sa.func.max(table.c.seq), 0) + 1)
+                statement = statement.values(seq=next_seq.scalar_subquery())
+            await session.exec(statement)
+        await session.commit()
+    return ids
+
+
+def row(
+    name: str, at: datetime, key: str | None = None, kind: str = "integration", **extra: Any
+) -> dict[str, Any]:
+    return {
+        "event_name": name,
+        "kind": kind,
+        "payload": extra.pop("payload", {}),
+        "occurred_on": at,
+        "available_on": at,
+        "ordering_key": key,
+        "retry_count": 0,
+        **extra,
+    }
+
+
+async def state(container: OutboxContainer, row_id: uuid.UUID, table: sa.Table = OUTBOX_TABLE) -> Any:
+    async with container.database().session() as session:
+        return (await session.exec(sa.select(table).where(table.c.id == row_id))).one()  # type: ignore[call-overload]
+
+
+async def all_rows(container: OutboxContainer) -> list[Any]:
+    async with container.database().session() as session:
+        return list((await session.exec(sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))).all())  # type: ignore[call-overload]
