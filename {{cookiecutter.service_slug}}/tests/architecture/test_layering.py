@@ -165,9 +165,10 @@ def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
 
 def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
     """The composition: the service's container and the kit's, the entrypoints, a context's
-    ``module.py`` (its adapters map), and the adapters themselves."""
+    ``module.py`` (its adapters map), the adapters themselves, and the kit's broker test tooling."""
     parts = module.removeprefix(f"{package}.").split(".")
-    composition = module == f"{kit}.runtime.container" or (
+    # The kit's test tooling reaches brokers raw on purpose (outbox_kit.testing.brokers).
+    composition = module in {f"{kit}.runtime.container", f"{kit}.testing.brokers"} or (
         module.startswith(f"{package}.")
         and (parts[0] in {"container", "entrypoints"} or (parts[0] == "contexts" and parts[-1] == "module"))
     )

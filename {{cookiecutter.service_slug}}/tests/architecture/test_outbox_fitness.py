@@ -79,16 +79,19 @@ MAY_PUBLISH = (
     "outbox_kit/transports/bus.py",  # the MessageBus port; outbox off, in-process only (brokers refuse it)
     "outbox_kit/consume/bus.py",  # the buses the processor publishes through (FastStream, in-process)
     *(f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")),
+    "outbox_kit/testing/brokers.py",  # test tooling: publishes hostile messages raw, past the service
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
 # broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.
 BROKER_CLIENTS = frozenset(
     {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
 )
-MAY_IMPORT_BROKER_CLIENTS = tuple(
+TRANSPORTS = tuple(
     f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")
 )
-MAY_SUBSCRIBE = ("outbox_kit/consume/", *MAY_IMPORT_BROKER_CLIENTS)
+# The test tooling reads each broker raw (leftovers, dead-letter copies); it is no transport.
+MAY_IMPORT_BROKER_CLIENTS = (*TRANSPORTS, "outbox_kit/testing/brokers.py")
+MAY_SUBSCRIBE = ("outbox_kit/consume/", *TRANSPORTS)
 CALLS_CONSUMER_HANDLERS = ("outbox_kit/consume/inbox.py",)
 
 

@@ -16,13 +16,13 @@ from outbox_kit.domain import (
     NotFoundError,
 )
 from outbox_kit.runtime.errors import install_error_handlers
+from outbox_kit.testing.harness import tcp_proxy
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
 from ..conftest import SERVICE_URLS, ContainerFactory, live_server, token_for
-from ..tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.integration
 

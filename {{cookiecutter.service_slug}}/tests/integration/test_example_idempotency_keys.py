@@ -2,7 +2,7 @@
 real server: a retried request creates one order and answers the first answer; the same key
 with another body is 422; keys belong to a tenant; identical requests sent at once create
 exactly one order and all get the same answer. The framework piece itself (atomicity, purge) is
-tested without the example in test_idempotency_keys.py."""
+tested without the example in the kit's suite (the template's tests/kit/test_idempotency_keys.py)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,7 @@ from outbox_kit.testing.harness import (
     outbox_source,
     row,
     state,
+    tcp_proxy,
 )
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
@@ -49,7 +50,6 @@ from sqlalchemy.exc import OperationalError
 from {{ cookiecutter.package_name }}.container import Container, build_modules
 
 from ..conftest import acting_as, eventually, fetch
-from ..tcp_proxy import tcp_proxy
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

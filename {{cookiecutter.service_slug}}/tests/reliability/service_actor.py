@@ -47,6 +47,7 @@ from outbox_kit.processor.cycle import (
     TableSource,
 )
 from outbox_kit.testing.harness import (
+    CONSUMER,
     DELIVERIES,
     RECEIVED,
     Counter,
@@ -61,7 +62,6 @@ from {{ cookiecutter.package_name }}.container import Container, build_container
 from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
 
 from ..conftest import longest_delivery, make_settings
-from ..integration.test_brokers import CONSUMER
 
 LEDGER = CONSUMER  # the hostile-message helpers of the broker tests read this consumer's letters
 RELAY_POISON = -1  # an event whose publish fails while the poison file exists

@@ -1,13 +1,20 @@
-"""What the kit's tests and a service's framework tiers drive the kit with, without any service's
-contexts: a clock moved by hand, a scripted deliverer and helpers that drive one processor source
-by hand over raw rows, and a tiny bounded context (so a service's tiers prove the kit whether or
-not the example was generated): a ``Counter`` aggregate with its own table (created by
-the fixture, outside the migrations), events, an integration event and an internal command."""
+"""What the kit's tests and a service's framework tiers drive the kit with, without any
+service's contexts:
+
+- a tiny bounded context: a ``Counter`` aggregate with its own table (created by
+  :func:`install_kit`, outside the migrations), events, an integration event and an internal
+  command, so a service's tiers prove the kit whether or not its example was generated;
+- a clock moved by hand, a scripted deliverer, and helpers that drive one processor source by
+  hand over raw rows;
+- a TCP proxy that cuts or freezes the line to a real server for one container only (stopping a
+  shared server would break every other test on the machine)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -106,6 +113,9 @@ class CounterChangedV1(IntegrationEvent, name="kit.counter-changed.v1", ordered=
 
 class RecordEffect(InternalCommand, name="kit.record-effect.v1"):
     label: str
+
+
+CONSUMER = "kit.observer"  # the consumer the broker tests and the reliability tier subscribe
 
 
 class Counter(AggregateRoot):
@@ -346,3 +356,79 @@ async def state(container: OutboxContainer, row_id: uuid.UUID, table: sa.Table =
 async def all_rows(container: OutboxContainer) -> list[Any]:
     async with container.database().session() as session:
         return list((await session.exec(sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))).all())  # type: ignore[call-overload]
+
+
+# -- cutting the line to a server ---------------------------------------------------------------
+
+
+class TcpProxy:
+    """Forwards every connection on ``port`` to ``target_host:target_port`` until cut."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self._target = (target_host, target_port)
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self.port = 0
+
+    def freeze(self) -> None:
+        """Stop forwarding bytes but keep every socket open: a half-open line, as after a
+        failover behind a load balancer. New connections are accepted and hang too."""
+        self._flowing.clear()
+
+    def thaw(self) -> None:
+        self._flowing.set()
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        """Refuse new connections and drop the open ones (the port stays reserved).
+
+        The open connections are closed before ``wait_closed()``: since Python 3.12.1 it waits
+        for them, so awaiting it first hung for as long as a client kept its line."""
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for writer in list(self._writers):
+            writer.close()
+        self._writers.clear()
+        if server is not None:
+            await server.wait_closed()
+
+    async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        self._writers.add(client_writer)  # before the upstream connect, so a cut meanwhile drops it
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self._target)
+        except OSError:
+            client_writer.close()
+            self._writers.discard(client_writer)
+            return
+        if client_writer not in self._writers:  # cut while connecting upstream
+            server_writer.close()
+            return
+        self._writers.add(server_writer)
+        await asyncio.gather(
+            self._pipe(client_reader, server_writer), self._pipe(server_reader, client_writer)
+        )
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+        self._writers.discard(writer)
+
+
+@contextlib.asynccontextmanager
+async def tcp_proxy(target_host: str, target_port: int) -> AsyncIterator[TcpProxy]:
+    proxy = TcpProxy(target_host, target_port)
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.cut()

@@ -25,6 +25,7 @@ from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
+from kit_support import acting_as, build_container, make_settings
 from outbox_kit.application.context import capture_context
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import (
@@ -33,6 +34,7 @@ from outbox_kit.application.messages import (
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
 from outbox_kit.transports.base import undecoded_body
 from outbox_kit.transports.envelope import Envelope, Signer
@@ -47,13 +49,6 @@ from outbox_kit.transports.settings import (
     EndpointNames,
 )
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import acting_as, make_settings
-
 pytestmark = pytest.mark.unit
 TEST_BROKERS: dict[str, Any] = {
     "rabbitmq": TestRabbitBroker,
@@ -63,7 +58,7 @@ TEST_BROKERS: dict[str, Any] = {
 }
 
 
-def capture_dead_letters(container: Container, transport: str) -> list[dict[str, str]]:
+def capture_dead_letters(container: OutboxContainer, transport: str) -> list[dict[str, str]]:
     """Subscribe to the consumer's dead-letter destination (test brokers need a subscriber)."""
     bus = container.bus()
     names, broker, captured = bus.names, bus.broker, []  # type: ignore[attr-defined]
@@ -115,7 +110,7 @@ class Observer:
 @asynccontextmanager
 async def in_memory(
     transport: str, sqlite_url: str, failures: int = 0, **sections: dict[str, Any]
-) -> AsyncIterator[tuple[Container, Observer]]:
+) -> AsyncIterator[tuple[OutboxContainer, Observer]]:
     container = build_container(
         make_settings(
             sqlite_url,
@@ -148,7 +143,7 @@ def envelope(value: int, message_id: str | None = None) -> Envelope:
     )
 
 
-async def consumed(container: Container) -> list[str]:
+async def consumed(container: OutboxContainer) -> list[str]:
     async with container.database().session() as session:
         return await effects(session)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
@@ -22,6 +23,7 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.harness import (
     Counter,
     CounterChangedV1,
@@ -36,13 +38,6 @@ from outbox_kit.testing.harness import (
     row,
 )
 from outbox_kit.transports.bus import Delivered
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
 
 pytestmark = pytest.mark.integration
 HANG = "hang"
@@ -65,7 +60,7 @@ class HangsOnce:
         await record_effect(uow, f"noted:{event.text}")
 
 
-async def note(container: Container, *texts: str) -> None:
+async def note(container: OutboxContainer, *texts: str) -> None:
     with acting_as():
         async with container.units_of_work()() as uow:
             counter = Counter.create("acme")
@@ -75,7 +70,7 @@ async def note(container: Container, *texts: str) -> None:
             await uow.commit()
 
 
-async def noted_rows(container: Container) -> dict[str, Any]:
+async def noted_rows(container: OutboxContainer) -> dict[str, Any]:
     rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.event_name == "kit.noted.v1"))
     return {r.payload["text"]: r for r in rows}
 
@@ -168,7 +163,7 @@ async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
         await asyncio.wait_for(container.worker().stop(), 30)
 
 
-async def _effects(container: Container) -> list[str]:
+async def _effects(container: OutboxContainer) -> list[str]:
     from outbox_kit.testing.harness import effects
 
     async with container.database().session() as session:
@@ -207,7 +202,7 @@ async def test_a_slow_publish_never_overlaps_another_replicas_copy_of_its_row(po
         await container.database().dispose()
 
 
-async def _two_replicas_publish(container: Container) -> None:
+async def _two_replicas_publish(container: OutboxContainer) -> None:
     now = container.clock()()
     ids = await insert_rows(
         container,
@@ -326,14 +321,14 @@ class HangsOnOne:
         await record_effect(uow, f"{self.name}:{event.counter_id}")
 
 
-async def change(container: Container, counter_id: str) -> None:
+async def change(container: OutboxContainer, counter_id: str) -> None:
     with acting_as():
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id=counter_id, value=1))
             await uow.commit()
 
 
-def consumers(container: Container) -> HangsOnOne:
+def consumers(container: OutboxContainer) -> HangsOnOne:
     """A consumer that hangs on ``hung``, registered before one that never does."""
     hanging = HangsOnOne("hanging", hangs_on="hung")
     container.handlers().consume("hanging", CounterChangedV1, hanging)

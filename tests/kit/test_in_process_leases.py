@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
+from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -28,6 +29,8 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.harness import (
     Counter,
     Counters,
@@ -41,20 +44,10 @@ from outbox_kit.testing.harness import (
     row,
 )
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-from {{ cookiecutter.package_name }}.settings import (
-    Settings,
-)
-
-from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-
 pytestmark = pytest.mark.integration
 
 
-async def outbox(container: Container) -> list[Any]:
+async def outbox(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
 
 
@@ -170,7 +163,7 @@ async def test_a_row_released_in_process_wakes_a_worker_in_another_process(postg
 
 
 @contextlib.asynccontextmanager
-async def containers(*settings: Settings) -> AsyncIterator[list[Container]]:
+async def containers(*settings: ServiceSettings) -> AsyncIterator[list[OutboxContainer]]:
     built = [build_container(each) for each in settings]
     try:
         yield built
@@ -180,7 +173,7 @@ async def containers(*settings: Settings) -> AsyncIterator[list[Container]]:
 
 
 @contextlib.asynccontextmanager
-async def running_worker(container: Container) -> AsyncIterator[None]:
+async def running_worker(container: OutboxContainer) -> AsyncIterator[None]:
     worker = container.worker()
     await worker.start()
     listener = container.listener()
@@ -193,7 +186,7 @@ async def running_worker(container: Container) -> AsyncIterator[None]:
         await worker.stop()
 
 
-async def test_cascaded_rows_are_released_when_the_processor_shuts_down(container: Container) -> None:
+async def test_cascaded_rows_are_released_when_the_processor_shuts_down(container: OutboxContainer) -> None:
     """The processor delivers a row whose handler raises more events; their rows commit leased
     to this process under a token of their own, and the shutdown comes while one of their
     handlers runs. Those rows must be given back (uncharged), not left leased for the whole

@@ -19,18 +19,13 @@ from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
+from kit_support import acting_as, build_container, fetch, make_settings
 from outbox_kit.domain import ConcurrencyError, NotFoundError
 from outbox_kit.persistence.tables import COMMAND_TABLE, INTEGRATION, OUTBOX_TABLE
 from outbox_kit.public import TransactionalUnitOfWork
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
 from outbox_kit.testing.harness import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import acting_as, fetch, make_settings
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +60,7 @@ def in_memory() -> Harness:
     return Harness(open_one, published, scheduled)
 
 
-async def on_sql(container: Container) -> Harness:
+async def on_sql(container: OutboxContainer) -> Harness:
     await install_kit(container)
     outbox, commands = OUTBOX_TABLE.c, COMMAND_TABLE.c
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.domain import (
     ConcurrencyError,
     DomainError,
@@ -26,6 +27,7 @@ from outbox_kit.persistence.database import (
     Database,
     HandlerMustNotSaveError,
 )
+from outbox_kit.persistence.settings import DatabaseSettings
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InternalCommandRow,
@@ -38,6 +40,7 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.harness import (
     COUNTERS,
     Counter,
@@ -53,25 +56,15 @@ from outbox_kit.testing.harness import (
 from sqlalchemy.exc import OperationalError
 from sqlmodel import select
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-from {{ cookiecutter.package_name }}.settings import (
-    DatabaseSettings,
-)
-
-from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-async def kit(container: Container) -> Kit:
+async def kit(container: OutboxContainer) -> Kit:
     return await install_kit(container)
 
 
-async def outbox(container: Container) -> list[Any]:
+async def outbox(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
 
 

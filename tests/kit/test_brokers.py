@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from dependency_injector import providers
+from kit_support import SERVICE_URLS, acting_as, build_container, eventually, fresh_sqlite, make_settings
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -36,7 +37,15 @@ from outbox_kit.consume.inbox import current_delivery
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
-from outbox_kit.testing.harness import CounterChangedV1, install_kit, record_effect
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.harness import (
+    CONSUMER,
+    CounterChangedV1,
+    TcpProxy,
+    install_kit,
+    record_effect,
+    tcp_proxy,
+)
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.nats import (
     NatsTransport,
@@ -52,14 +61,6 @@ from outbox_kit.transports.settings import (
 )
 from sqlalchemy.engine import make_url
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import SERVICE_URLS, acting_as, eventually, fresh_sqlite, make_settings
-from ..tcp_proxy import TcpProxy, tcp_proxy
-
 pytestmark = pytest.mark.integration
 TRANSPORTS = [
     pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
@@ -67,7 +68,6 @@ TRANSPORTS = [
     pytest.param("nats", marks=pytest.mark.nats),
     pytest.param("redis", marks=pytest.mark.redis),
 ]
-CONSUMER = "kit.observer"
 
 
 @dataclass
@@ -103,14 +103,14 @@ class Observer:
         await record_effect(uow, f"consumed:{event.value}")
 
 
-Start = Callable[..., Awaitable[tuple[Container, Observer]]]
+Start = Callable[..., Awaitable[tuple[OutboxContainer, Observer]]]
 
 
 @pytest.fixture
 async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
     """Start a container with the kit's consumer on ``transport`` (worker included). Each one is
     a service of its own: its own SQLite database, so its own inbox and outbox."""
-    running: list[Container] = []
+    running: list[OutboxContainer] = []
 
     async def starter(
         transport: str,
@@ -121,7 +121,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         database_url: str | None = None,
         tracing: Tracing | None = None,
         message_bus: dict[str, Any] | None = None,
-    ) -> tuple[Container, Observer]:
+    ) -> tuple[OutboxContainer, Observer]:
         home = tmp_path / f"service-{len(running)}"
         home.mkdir()
         settings = make_settings(
@@ -155,14 +155,14 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         await container.database().dispose()
 
 
-async def publish_through_outbox(container: Container, value: int, **context: Any) -> None:
+async def publish_through_outbox(container: OutboxContainer, value: int, **context: Any) -> None:
     with acting_as(**context):
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value, aggregate_id="c-1"))
             await uow.commit()
 
 
-async def effects_become(container: Container, expected: list[str], timeout: float = 20.0) -> None:
+async def effects_become(container: OutboxContainer, expected: list[str], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while (found := await effects_of(container)) != expected:
         if time.monotonic() > deadline:
@@ -170,7 +170,7 @@ async def effects_become(container: Container, expected: list[str], timeout: flo
         await asyncio.sleep(0.05)
 
 
-async def effects_of(container: Container) -> list[str]:
+async def effects_of(container: OutboxContainer) -> list[str]:
     from outbox_kit.testing.harness import effects
 
     async with container.database().session() as session:
@@ -310,7 +310,7 @@ async def test_the_same_message_delivered_twice_has_one_effect(start: Start, tra
     assert len(observer.seen) == 1  # the inbox skipped the copy before the handler
 
 
-async def publish_again(container: Container, message: Envelope, transport: str) -> None:
+async def publish_again(container: OutboxContainer, message: Envelope, transport: str) -> None:
     """Publish ``message`` once more, past JetStream's publish dedup on NATS (which drops a
     second publish with the same ``Nats-Msg-Id`` before any consumer sees it)."""
     bus = container.bus()
@@ -588,7 +588,7 @@ async def test_a_changed_retry_delay_is_a_clear_start_up_error_on_rabbitmq(
     assert "--if-empty" in message
 
 
-async def pending_entry(container: Container) -> dict[str, Any] | None:
+async def pending_entry(container: OutboxContainer) -> dict[str, Any] | None:
     """The Redis pending-list entry of the observer's stream, if any (idle ms, delivery count)."""
     bus = container.bus()
     names = bus.names  # type: ignore[attr-defined]

@@ -10,12 +10,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from kit_support import make_settings
 from outbox_kit.testing.harness import CounterChangedV1, install_kit
 from outbox_kit.transports.kafka import (
     KafkaTransport,
 )
-
-from ..conftest import make_settings
 
 pytestmark = pytest.mark.unit
 
@@ -23,9 +22,7 @@ pytestmark = pytest.mark.unit
 async def test_every_subscriber_is_starting_before_any_has_finished(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from {{ cookiecutter.package_name }}.container import (
-        build_container,
-    )
+    from kit_support import build_container
 
     container = build_container(
         make_settings(sqlite_url, message_bus={"transport": "kafka", "url": "127.0.0.1:1"})
