@@ -17,7 +17,8 @@ import yaml
 from .conftest import VARIANTS
 from .support import BIN, check
 
-pytestmark = pytest.mark.render
+# The session's shared bakes and their environment are built once, on the worker of this group.
+pytestmark = [pytest.mark.render, pytest.mark.xdist_group("bakes")]
 PYTHONS = ("3.11", "3.12", "3.13")
 
 

@@ -20,7 +20,8 @@ import pytest
 
 from .support import REQUIRE_SERVICES, bake, check, find_python, install
 
-pytestmark = pytest.mark.generated
+# One worker runs this module's tests (they share the default bake) while others run the rest.
+pytestmark = [pytest.mark.generated, pytest.mark.xdist_group("generated-service")]
 
 
 def _service_env() -> dict[str, str]:

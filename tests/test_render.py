@@ -14,7 +14,8 @@ import yaml
 from .conftest import VARIANTS
 from .support import TEMPLATE, check, load_answer_rules, text_files
 
-pytestmark = pytest.mark.render
+# The session's shared bakes and their environment are built once, on the worker of this group.
+pytestmark = [pytest.mark.render, pytest.mark.xdist_group("bakes")]
 # Not Jinja: GitHub Actions' ``${{ ... }}`` and Prometheus' ``{{ $labels.x }}`` (alert templates).
 LEFTOVER = re.compile(r"(?<!\$)\{\{(?! ?\$)|\{%|\{#")
 EXAMPLE_PATHS = (

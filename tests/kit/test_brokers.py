@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from dependency_injector import providers
-from kit_support import SERVICE_URLS, acting_as, build_container, eventually, fresh_sqlite, make_settings
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -38,6 +37,14 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    acting_as,
+    eventually,
+    fresh_sqlite,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     CONSUMER,
     CounterChangedV1,
@@ -137,7 +144,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
             },
             outbox={"polling_interval_seconds": 0.2},
         )
-        container = build_container(settings)
+        container = kit_container(settings)
         if tracing is not None:
             container.tracing.override(providers.Object(tracing))
         await install_kit(container)
@@ -215,7 +222,10 @@ async def test_one_trace_crosses_the_broker_and_the_signed_traceparent_still_ver
     def named(suffix: str) -> list[ReadableSpan]:
         return [span for span in exporter.get_finished_spans() if span.name.endswith(suffix)]
 
-    await eventually(lambda: len(named(" process")) == 1)  # FastStream ends it after the ack
+    # FastStream ends its span after the ack; the relay's delivery span may end later still (it
+    # waits for the publish confirmation, which can come after the consumer's ack on a busy box).
+    spans = (" process", "deliver kit.counter-changed.v1", "consume kit.counter-changed.v1")
+    await eventually(lambda: all(len(named(suffix)) == 1 for suffix in spans))
     (deliver,), (process,), (consume,) = (
         named("deliver kit.counter-changed.v1"),
         named(" process"),
@@ -530,7 +540,7 @@ async def test_rabbitmq_publishes_are_persistent_with_the_message_id(sqlite_url:
         application={"namespace": f"t{uuid.uuid4().hex[:10]}"},
         message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]},
     )
-    container = build_container(settings)
+    container = kit_container(settings)
     await install_kit(container)
     container.handlers().consume(CONSUMER, CounterChangedV1, Observer())
     bus = container.bus()
@@ -570,7 +580,7 @@ async def test_a_changed_retry_delay_is_a_clear_start_up_error_on_rabbitmq(
             "redelivery_delay_seconds": 0.5,
         },
     )
-    redeployed = build_container(settings)
+    redeployed = kit_container(settings)
     await install_kit(redeployed)
     redeployed.handlers().consume(CONSUMER, CounterChangedV1, Observer())
     bus = redeployed.bus()
@@ -667,7 +677,7 @@ async def test_a_raised_attempt_limit_reaches_the_existing_nats_consumer(
         application={"namespace": namespace},
         message_bus={"transport": "nats", "url": SERVICE_URLS["nats"], "max_delivery_attempts": 6},
     )
-    redeployed = build_container(settings)
+    redeployed = kit_container(settings)
     await install_kit(redeployed)
     redeployed.handlers().consume(CONSUMER, CounterChangedV1, Observer())
     bus = redeployed.bus()

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kit_support import build_container, make_settings
 from outbox_kit.operations.requests import (
     EVERY_TENANT,
 )
@@ -39,6 +38,7 @@ from outbox_kit.processor.claim import (
     ClaimedRow,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import kit_container, make_settings
 from outbox_kit.testing.harness import (
     FakeClock,
     ScriptedDeliverer,
@@ -73,7 +73,7 @@ def hold_trigger(table: sa.Table) -> str:
 
 @pytest.fixture
 async def pg_container(postgres_url: str) -> AsyncIterator[OutboxContainer]:
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     yield container
     await container.database().dispose()
 
@@ -249,7 +249,7 @@ async def test_a_replay_whose_process_froze_holds_the_relay_only_for_the_idle_ti
 ) -> None:
     """A replay transaction left open (its process frozen after it took the gate) ends after
     ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``; the claims that waited for it then go on."""
-    container = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 1}))
+    container = kit_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 1}))
     try:
         clock = FakeClock()
         dead, _ = await a_dead_head_and_its_successor(container, OUTBOX_TABLE, clock.now)

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
@@ -24,6 +23,14 @@ from outbox_kit.persistence.unit_of_work import (
 )
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     Counter,
     CounterChangedV1,
@@ -195,7 +202,7 @@ async def test_a_slow_publish_never_overlaps_another_replicas_copy_of_its_row(po
     not end while that publish is in flight, or replica B claims the row and publishes it too."""
     lease = {"lease_seconds": 6, "delivery_timeout_seconds": 4}
     publish = {"publish_timeout_seconds": 3.95}  # below the delivery's limit, above the 3.9 s publish
-    container = build_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
+    container = kit_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
     try:
         await _two_replicas_publish(container)
     finally:

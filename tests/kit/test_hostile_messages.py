@@ -15,7 +15,6 @@ import re
 from typing import Any
 
 import pytest
-from kit_support import SERVICE_URLS, eventually
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.brokers import (
     HEADER_VALUE_LIMIT,
@@ -30,6 +29,7 @@ from outbox_kit.testing.brokers import (
     publish_redis_only,
     redis_only_messages,
 )
+from outbox_kit.testing.fixtures import SERVICE_URLS, eventually
 from outbox_kit.transports.base import (
     ReceivedMessage,
 )

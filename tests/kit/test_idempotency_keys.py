@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kit_support import ContainerFactory, acting_as, fetch
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
@@ -28,6 +27,7 @@ from outbox_kit.persistence.tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch
 from outbox_kit.testing.harness import COUNTERS, Counter, Counters, install_kit
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
-from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -31,6 +30,14 @@ from outbox_kit.processor.claim import (
 )
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.settings import ServiceSettings
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     Counter,
     Counters,
@@ -164,7 +171,7 @@ async def test_a_row_released_in_process_wakes_a_worker_in_another_process(postg
 
 @contextlib.asynccontextmanager
 async def containers(*settings: ServiceSettings) -> AsyncIterator[list[OutboxContainer]]:
-    built = [build_container(each) for each in settings]
+    built = [kit_container(each) for each in settings]
     try:
         yield built
     finally:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from kit_support import SERVICE_URLS, eventually
+from outbox_kit.testing.fixtures import SERVICE_URLS, eventually
 from outbox_kit.testing.harness import CounterChangedV1
 from outbox_kit.transports.kafka import KafkaTransport
 from test_brokers import CONSUMER, Start, effects_become, effects_of, envelope

@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
-from kit_support import SERVICE_URLS, ContainerFactory, acting_as, build_container, eventually, make_settings
 from outbox_kit.domain import (
     DomainEvent,
 )
@@ -26,6 +25,14 @@ from outbox_kit.processor.processor import (
     Processor,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    ContainerFactory,
+    acting_as,
+    eventually,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     Counter,
     CounterChangedV1,
@@ -241,7 +248,7 @@ async def take_over(container: OutboxContainer, row_id: uuid.UUID, token: uuid.U
 async def test_a_claim_skips_rows_another_transaction_holds_instead_of_waiting(postgres_url: str) -> None:
     """``FOR UPDATE SKIP LOCKED``: while another transaction holds two rows (a replica mid-claim),
     a claim takes the other two at once instead of queueing behind the lock."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(4)])
@@ -789,8 +796,8 @@ async def test_a_bookkeeping_transaction_left_idle_is_ended_and_frees_its_rows(p
     """A process frozen inside a claim or stamp transaction (a paused VM) holds its rows' locks;
     the server ends such a transaction after ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``, so
     another worker can take the rows once their lease is over."""
-    frozen = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 0.5}))
-    other = build_container(make_settings(postgres_url))
+    frozen = kit_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 0.5}))
+    other = kit_container(make_settings(postgres_url))
     try:
         (row_id,) = await insert_rows(frozen, [row("kit.a.v1", FakeClock().now)])
         locked = sa.select(OUTBOX_TABLE.c.id).where(OUTBOX_TABLE.c.id == row_id).with_for_update(nowait=True)

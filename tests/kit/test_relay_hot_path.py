@@ -22,12 +22,12 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kit_support import build_container, make_settings
 from outbox_kit.persistence.tables import OUTBOX_TABLE, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import CycleResult, Processor
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import kit_container, make_settings
 from outbox_kit.testing.harness import FakeClock, ScriptedDeliverer, insert_rows, outbox_source, row, state
 from outbox_kit.transports.bus import Delivered
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -213,7 +213,7 @@ async def test_an_empty_table_waits_the_idle_interval_only_while_the_wake_is_rel
 async def test_the_claim_plan_uses_indexes_not_a_scan_of_the_outbox(postgres_url: str) -> None:
     """With enough rows that a scan would be the wrong plan, the claim must find its rows
     through indexes: a migration that drops or changes them shows here, not in production."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
@@ -234,7 +234,7 @@ async def test_the_release_of_an_interrupted_claim_uses_an_index_not_a_scan_of_t
     """A stop during the claim gives the batch back by its token within half the shutdown
     deadline: on a table with a long processed history a scan would not finish in time, and the
     batch would stay leased for a whole lease."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])

@@ -25,7 +25,6 @@ from faststream.kafka import TestKafkaBroker
 from faststream.nats import TestNatsBroker
 from faststream.rabbit import TestRabbitBroker
 from faststream.redis import TestRedisBroker
-from kit_support import acting_as, build_container, make_settings
 from outbox_kit.application.context import capture_context
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import (
@@ -35,6 +34,7 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import acting_as, kit_container, make_settings
 from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
 from outbox_kit.transports.base import undecoded_body
 from outbox_kit.transports.envelope import Envelope, Signer
@@ -111,7 +111,7 @@ class Observer:
 async def in_memory(
     transport: str, sqlite_url: str, failures: int = 0, **sections: dict[str, Any]
 ) -> AsyncIterator[tuple[OutboxContainer, Observer]]:
-    container = build_container(
+    container = kit_container(
         make_settings(
             sqlite_url,
             message_bus={

@@ -19,12 +19,12 @@ from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
-from kit_support import acting_as, build_container, fetch, make_settings
 from outbox_kit.domain import ConcurrencyError, NotFoundError
 from outbox_kit.persistence.tables import COMMAND_TABLE, INTEGRATION, OUTBOX_TABLE
 from outbox_kit.public import TransactionalUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
+from outbox_kit.testing.fixtures import acting_as, fetch, kit_container, make_settings
 from outbox_kit.testing.harness import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
 
 pytestmark = pytest.mark.integration
@@ -80,7 +80,7 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     if request.param == "in-memory":
         yield in_memory()
         return
-    container = build_container(make_settings(request.getfixturevalue(f"{request.param}_url")))
+    container = kit_container(make_settings(request.getfixturevalue(f"{request.param}_url")))
     try:
         yield await on_sql(container)
     finally:

@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from kit_support import ContainerFactory, acting_as, build_container, eventually, fetch, make_settings
 from outbox_kit.domain import (
     ConcurrencyError,
     DomainError,
@@ -41,6 +40,14 @@ from outbox_kit.processor.claim import (
     Claimer,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     COUNTERS,
     Counter,
@@ -338,7 +345,7 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
 async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(postgres_url: str) -> None:
     """Two operations lock two rows in opposite orders: PostgreSQL kills one (40P01), ``run``
     re-runs it on a fresh session, and each operation's event is written exactly once."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         kit = await install_kit(container)
         first, second = await place(kit), await place(kit)

@@ -13,7 +13,7 @@ from dependency_injector import providers
 from outbox_kit.application.handlers import Module, discover_modules, import_table_modules
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 
-from .settings import Settings
+from .settings import ServiceSettings, Settings
 
 
 def build_modules() -> list[Module]:
@@ -27,7 +27,7 @@ class Container(OutboxContainer):
     """Every long-lived object of the service, built once per process."""
 
 
-def build_container(settings: Settings | None = None) -> Container:
+def build_container(settings: ServiceSettings | None = None) -> Container:
     """A container for ``settings`` (read from the environment when omitted)."""
     return Container(
         settings=providers.Singleton(Settings) if settings is None else providers.Object(settings),

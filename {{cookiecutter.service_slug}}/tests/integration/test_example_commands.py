@@ -15,8 +15,7 @@ import httpx
 import pytest
 import sqlalchemy as sa
 from outbox_kit.runtime.container import build_tokens
-
-from ..conftest import free_port, make_settings
+from outbox_kit.testing.fixtures import free_port, make_settings
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

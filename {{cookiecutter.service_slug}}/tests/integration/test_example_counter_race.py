@@ -15,6 +15,7 @@ import sqlalchemy as sa
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
 )
+from outbox_kit.testing.fixtures import acting_as, fetch, make_settings
 from outbox_kit.testing.harness import command_source
 from sqlmodel import select
 
@@ -30,8 +31,6 @@ from {{ cookiecutter.package_name }}.contexts.orders.domain import (
 from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     CustomerStatisticsRow,
 )
-
-from ..conftest import acting_as, fetch, make_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 ORDERS = 50

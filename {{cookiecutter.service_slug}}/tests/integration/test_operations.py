@@ -28,6 +28,7 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,
 )
+from outbox_kit.testing.fixtures import acting_as, fetch
 from outbox_kit.testing.harness import (
     FakeClock,
     RecordEffect,
@@ -49,7 +50,7 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import acting_as, fetch, live_server, token_for
+from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 

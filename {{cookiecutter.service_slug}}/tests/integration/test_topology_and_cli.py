@@ -31,6 +31,7 @@ from outbox_kit.persistence.unit_of_work import (
 )
 from outbox_kit.processor.processor import PostgresListener
 from outbox_kit.runtime.container import build_listener, build_registry
+from outbox_kit.testing.fixtures import acting_as, eventually, fetch
 from outbox_kit.testing.harness import (
     Counter,
     Counters,
@@ -48,8 +49,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from {{ cookiecutter.package_name }}.container import Container, build_modules
-
-from ..conftest import acting_as, eventually, fetch
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

@@ -42,6 +42,7 @@ from outbox_kit.processor.processor import (
     SourceSettings,
 )
 from outbox_kit.runtime.container import build_listener, source_settings
+from outbox_kit.testing.fixtures import SERVICE_URLS, longest_delivery, make_settings
 from outbox_kit.testing.harness import DELIVERIES, CounterChangedV1, install_kit, record_effect
 from outbox_kit.transports.bus import Delivered
 from outbox_kit.transports.envelope import (
@@ -49,8 +50,6 @@ from outbox_kit.transports.envelope import (
 )
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
-
-from ..conftest import SERVICE_URLS, longest_delivery, make_settings
 
 
 class RecordingDeliverer:

@@ -45,13 +45,13 @@ from outbox_kit.testing.brokers import (
     dead_letters_of,
     hostile_messages,
 )
+from outbox_kit.testing.fixtures import SERVICE_URLS, fetch
 from outbox_kit.testing.harness import DELIVERIES, TcpProxy, tcp_proxy
 from outbox_kit.transports.envelope import Signer
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import Container
 
-from ..conftest import SERVICE_URLS, fetch
 from .conformance import (
     Fleet,
     Sent,

@@ -21,6 +21,7 @@ from outbox_kit.consume.subscribers import CRASH_GUARD_ERROR
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from outbox_kit.testing.fixtures import SERVICE_URLS, acting_as, fetch
 from outbox_kit.testing.harness import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
 from outbox_kit.transports.envelope import (
     Envelope,
@@ -30,7 +31,6 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import SERVICE_URLS, acting_as, fetch
 from .conformance import declared_topology
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]

@@ -148,6 +148,7 @@ from outbox_kit.processor.processor import (
 from outbox_kit.runtime.container import (
     source_settings,
 )
+from outbox_kit.testing.fixtures import longest_delivery, make_settings
 from outbox_kit.testing.harness import FakeClock
 from outbox_kit.transports.bus import (
     Delivered,
@@ -162,8 +163,6 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
 )
-
-from ..conftest import longest_delivery, make_settings
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
 T = TypeVar("T")

@@ -1,8 +1,7 @@
-"""The kit suite's fixtures and helpers, registered as a plugin by ``conftest.py`` and imported
-by the tests (``from kit_support import ...``): a service's fixtures without a service. A
-container is the kit's own (``OutboxContainer``) on ``ServiceSettings``, with no contexts; a test
-installs the harness's context (``outbox_kit.testing.harness``). Tables are created from the
-kit's models (a service's migrations build the same: its ``alembic check`` holds).
+"""The pytest fixtures and helpers every suite of a service shares, and the kit's own suite: a
+plugin, loaded before any ``conftest.py`` with ``-p outbox_kit.testing.fixtures`` in the suite's
+pytest ``addopts`` (so its helpers can be imported by a conftest; it needs pytest, which the kit
+does not install).
 
 Services. Tests that need PostgreSQL or a broker carry a marker (``postgres``, ``rabbitmq``,
 ``kafka``, ``nats``, ``redis``). When the service does not answer, they are skipped with the
@@ -10,13 +9,17 @@ reason, or fail when ``REQUIRE_SERVICES=1`` (CI). Addresses come from ``TEST_POS
 ``TEST_RABBITMQ_URL``, ``TEST_KAFKA_URL`` (``host:port``, as ``MESSAGE_BUS__URL`` takes it),
 ``TEST_NATS_URL`` and ``TEST_REDIS_URL``.
 
-Isolation. Every test gets its own database: a copy of a migrated SQLite file, or a fresh
+Isolation. Every test gets its own database: a copy of a prepared SQLite file, or a fresh
 PostgreSQL database per test session whose tables are emptied before each test. Broker names
 get a namespace unique to the test, so runs never see each other's messages.
 
-Hermeticity. Settings are built explicitly; the service's own environment variables and its
-``.env`` are ignored, so a developer's local configuration cannot change a test's outcome.
-"""
+Hermeticity. Settings are built explicitly; the environment's settings variables and ``.env``
+are ignored, so a developer's local configuration cannot change a test's outcome.
+
+What a suite adapts, by overriding a fixture in its ``conftest.py``: ``migrate_database`` (how a
+fresh database gets its tables: the kit's models here, a service's migrations there) and
+``container_builder`` (the kit's container with no contexts here, a service's
+``build_container`` there)."""
 
 from __future__ import annotations
 
@@ -26,17 +29,20 @@ import re
 import shutil
 import socket
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlparse
 
-import outbox_kit.persistence.tables  # noqa: F401  (the kit's tables, in SQLModel's metadata)
 import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlmodel import SQLModel
+
+import outbox_kit.persistence.tables  # noqa: F401  (the kit's tables, in SQLModel's metadata)
 from outbox_kit.application.context import (
     RequestContext,
     use_context,
@@ -44,8 +50,6 @@ from outbox_kit.application.context import (
 from outbox_kit.processor.settings import LEASE_MARGIN_FRACTION
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.settings import ServiceSettings
-from sqlalchemy.ext.asyncio import create_async_engine
-from sqlmodel import SQLModel
 
 for _name in list(os.environ):
     if re.match(
@@ -63,6 +67,7 @@ SERVICE_URLS = {
     "redis": os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379"),
 }
 T = TypeVar("T")
+SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
 DEFAULT_PORTS = {"postgres": 5432, "rabbitmq": 5672, "kafka": 9092, "nats": 4222, "redis": 6379}
 _reachable: dict[str, bool] = {}
 
@@ -105,7 +110,9 @@ def require_service(name: str) -> None:
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Every skip for one missing service gets the same location, so the summary folds them into
     one line per service ("SKIPPED [43] tests/conftest.py: rabbitmq is not reachable at ...")
     instead of a line per test."""
@@ -131,11 +138,13 @@ def in_thread(function: Callable[..., T], *args: object) -> T:
     """Run blocking set-up code (Alembic's env, ``asyncio.run``) on a thread of its own, so it
     never touches the event loop the tests share."""
     with ThreadPoolExecutor(max_workers=1) as pool:
-        return pool.submit(function, *args).result()
+        result: T = pool.submit(function, *args).result()
+        return result
 
 
 def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
-    return in_thread(asyncio.run, coroutine)
+    result: T = in_thread(asyncio.run, coroutine)
+    return result
 
 
 async def _create_tables(url: str) -> None:
@@ -147,16 +156,25 @@ async def _create_tables(url: str) -> None:
         await engine.dispose()
 
 
-def migrate(url: str) -> None:
-    """Create the kit's tables on ``url``."""
+def create_tables(url: str) -> None:
+    """Create every table SQLModel knows (the kit's, and any imported) on ``url``."""
     run_async(_create_tables(url))
 
 
 @pytest.fixture(scope="session")
-def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A SQLite file with the kit's tables, copied for every test that needs a fresh database."""
+def migrate_database() -> Callable[[str], None]:
+    """How a fresh database gets its tables: the kit's models. A service overrides it with its
+    migrations."""
+    return create_tables
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(
+    tmp_path_factory: pytest.TempPathFactory, migrate_database: Callable[[str], None]
+) -> Path:
+    """A prepared SQLite file, copied for every test that needs a fresh database."""
     path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
-    migrate(f"sqlite+aiosqlite:///{path}")
+    migrate_database(f"sqlite+aiosqlite:///{path}")
     return path
 
 
@@ -184,11 +202,11 @@ def drop_postgres_database(url: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def postgres_database() -> Iterator[str]:
-    """One fresh PostgreSQL database for the session, migrated; dropped at the end."""
+def postgres_database(migrate_database: Callable[[str], None]) -> Iterator[str]:
+    """One fresh PostgreSQL database for the session, prepared; dropped at the end."""
     require_service("postgres")  # session fixtures run before the autouse check above
     url = create_postgres_database()
-    migrate(url)
+    migrate_database(url)
     yield url
     drop_postgres_database(url)
 
@@ -236,7 +254,14 @@ TEST_SIGNING_KEYS = {"test": "test-signing-secret"}
 
 
 def make_settings(database_url: str, **sections: dict[str, Any]) -> ServiceSettings:
-    """Settings for a test: outbox and inbox on, signed headers, quick timings."""
+    """Settings for a test: outbox and inbox on, signed headers, quick timings, a namespace of
+    its own; ``sections`` override any section's values."""
+    return settings_of(ServiceSettings, database_url, **sections)
+
+
+def settings_of(settings_type: type[SettingsT], database_url: str, **sections: dict[str, Any]) -> SettingsT:
+    """:func:`make_settings` as a service's ``Settings``, where its own defaults matter (its
+    slug)."""
     values: dict[str, dict[str, Any]] = {
         "application": {"namespace": f"t{uuid.uuid4().hex[:10]}", "instance_id": "test-processor"},
         "database": {"url": database_url},
@@ -258,7 +283,7 @@ def make_settings(database_url: str, **sections: dict[str, Any]) -> ServiceSetti
     if bus.get("transport", "inprocess") == "inprocess" and "delivery_timeout_seconds" in outbox:
         # In-process, a consumer runs inside a delivery: its limit must be shorter (settings).
         bus.setdefault("handler_timeout_seconds", outbox["delivery_timeout_seconds"] / 2)
-    return ServiceSettings(_env_file=None, **values)  # type: ignore[call-arg]
+    return settings_type(_env_file=None, **cast("dict[str, Any]", values))
 
 
 def longest_delivery(lease_seconds: float) -> float:
@@ -267,21 +292,30 @@ def longest_delivery(lease_seconds: float) -> float:
     return lease_seconds * (1 - LEASE_MARGIN_FRACTION)
 
 
-def build_container(settings: ServiceSettings) -> OutboxContainer:
+def kit_container(settings: ServiceSettings) -> OutboxContainer:
     """The kit's container on ``settings``, with no contexts (a test installs the harness's)."""
     return OutboxContainer(settings=providers.Object(settings), modules=providers.Object([]))
+
+
+@pytest.fixture(scope="session")
+def container_builder() -> Callable[[ServiceSettings], OutboxContainer]:
+    """How ``make_container`` builds a container from a test's settings: the kit's own. A
+    service overrides it with its ``build_container``."""
+    return kit_container
 
 
 ContainerFactory = Callable[..., OutboxContainer]
 
 
 @pytest.fixture
-async def make_container(database_url: str) -> AsyncIterator[ContainerFactory]:
+async def make_container(
+    database_url: str, container_builder: Callable[[ServiceSettings], OutboxContainer]
+) -> AsyncIterator[ContainerFactory]:
     """Build containers on the test's database; their engines are disposed afterwards."""
     built: list[OutboxContainer] = []
 
     def factory(**sections: dict[str, Any]) -> OutboxContainer:
-        container = build_container(make_settings(database_url, **sections))
+        container = container_builder(make_settings(database_url, **sections))
         built.append(container)
         return container
 
@@ -321,12 +355,13 @@ async def fetch(container: OutboxContainer, statement: Any) -> list[Any]:
         return list((await session.exec(statement)).all())
 
 
-async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
+async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:  # noqa: ASYNC109 (a deadline)
     """Wait until ``check()`` holds, polling every 20 ms; fail after ``timeout`` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not check():
         if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not met in time")
+            msg = "condition not met in time"
+            raise AssertionError(msg)
         await asyncio.sleep(0.02)
 
 
