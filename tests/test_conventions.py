@@ -17,8 +17,7 @@ import yaml
 from .conftest import VARIANTS
 from .support import BIN, check
 
-# The session's shared bakes and their environment are built once, on the worker of this group.
-pytestmark = [pytest.mark.render, pytest.mark.xdist_group("bakes")]
+pytestmark = pytest.mark.render
 PYTHONS = ("3.11", "3.12", "3.13")
 
 

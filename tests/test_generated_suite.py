@@ -20,8 +20,7 @@ import pytest
 
 from .support import REQUIRE_SERVICES, bake, check, find_python, install
 
-# One worker runs this module's tests (they share the default bake) while others run the rest.
-pytestmark = [pytest.mark.generated, pytest.mark.xdist_group("generated-service")]
+pytestmark = pytest.mark.generated
 
 
 def _service_env() -> dict[str, str]:

@@ -20,8 +20,7 @@ import pytest
 
 from .support import TEMPLATE, TOOLS_ENV, UV, check
 
-# The session's shared bakes and their environment are built once, on the worker of this group.
-pytestmark = [pytest.mark.kit, pytest.mark.xdist_group("bakes")]
+pytestmark = pytest.mark.kit
 
 KIT = TEMPLATE / "{{cookiecutter.service_slug}}" / "kit"
 CACHES = ("__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".venv", "dist", "*.egg-info")

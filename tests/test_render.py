@@ -14,8 +14,7 @@ import yaml
 from .conftest import VARIANTS
 from .support import TEMPLATE, check, load_answer_rules, text_files
 
-# The session's shared bakes and their environment are built once, on the worker of this group.
-pytestmark = [pytest.mark.render, pytest.mark.xdist_group("bakes")]
+pytestmark = pytest.mark.render
 # Not Jinja: GitHub Actions' ``${{ ... }}`` and Prometheus' ``{{ $labels.x }}`` (alert templates).
 LEFTOVER = re.compile(r"(?<!\$)\{\{(?! ?\$)|\{%|\{#")
 EXAMPLE_PATHS = (

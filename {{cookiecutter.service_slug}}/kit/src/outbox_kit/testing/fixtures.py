@@ -114,7 +114,7 @@ def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Every skip for one missing service gets the same location, so the summary folds them into
-    one line per service ("SKIPPED [43] tests/conftest.py: rabbitmq is not reachable at ...")
+    one line per service ("SKIPPED [43] .../testing/fixtures.py: rabbitmq is not reachable at ...")
     instead of a line per test."""
     del item, call
     report: pytest.TestReport = yield
