@@ -293,7 +293,7 @@ async def kafka_leftovers(container: OutboxContainer) -> dict[str, int]:
         if {tp.topic for tp in partitions} != set(topics):  # or nothing would be counted
             msg = f"Kafka knows no partitions of {sorted(set(topics) - {tp.topic for tp in partitions})}"
             raise AssertionError(msg)
-        for _ in range(20):
+        for _ in range(60):  # up to 30 s: a loaded broker catches up slowly
             ends = await reader.end_offsets(partitions)
             left = dict.fromkeys(topics, 0)
             for tp, end in ends.items():
