@@ -25,8 +25,13 @@ demo: $(BIN)/.installed ## generate a service with the defaults and run it (SQLi
 	$(BIN)/cookiecutter --no-input --output-dir $(DEMO_DIR) .
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(MAKE) -C $(DEMO_DIR)/$(SLUG) install migrate run
 
+# Two workers, handed one test at a time: most of the suite waits on real processes and servers
+# (the generated service's tiers, the kit's broker tests), so the two cores overlap the waits.
+# Each worker builds the bakes it needs. WORKERS=0 runs the tests one after another.
+WORKERS ?= 2
+
 test: $(BIN)/.installed ## every tier of the template's tests (service-backed ones where services answer)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS))
 
 test-fast: $(BIN)/.installed ## the kit's checks, render and hook tiers only
 	$(BIN)/python -m pytest -m "kit or render or hooks"

@@ -146,7 +146,7 @@ class Tally:
 async def counter(settings: Settings, event: str, expect: int) -> None:
     container = bench_container(settings)
     bus = settings.message_bus
-    names = EndpointNames(settings.application.resolved_namespace, bus.preserve_default_endpoint_names)
+    names = EndpointNames(settings.application.namespace, bus.preserve_default_endpoint_names)
     transport = build_transport(bus, names, container.registry())
     tally = Tally(expect)
 

@@ -233,7 +233,7 @@ async def raw_publish(base: Target, count: int, *, keyed: bool = False) -> Outco
     settings = target.settings()
     container = bench_container(settings)
     bus = settings.message_bus
-    names = EndpointNames(settings.application.resolved_namespace, bus.preserve_default_endpoint_names)
+    names = EndpointNames(settings.application.namespace, bus.preserve_default_endpoint_names)
     transport = build_transport(bus, names, container.registry())
     messages = prebuilt(container, count, keys=KEYS if keyed else 0)
     counter = await receiver(target, count, event, pipeline=False)

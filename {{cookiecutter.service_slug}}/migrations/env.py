@@ -14,7 +14,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-from {{ cookiecutter.package_name }}.composition.modules import build_modules
+from {{ cookiecutter.package_name }}.container import build_modules
 from {{ cookiecutter.package_name }}.settings import (
     Settings,
 )

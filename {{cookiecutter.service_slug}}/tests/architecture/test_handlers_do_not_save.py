@@ -11,9 +11,10 @@ proven in the template's CI.
 from __future__ import annotations
 
 import pytest
+from outbox_kit.runtime.container import build_handlers
 from outbox_kit.testing import SaveRule, SinkSpec, service_save_rule
 
-from {{ cookiecutter.package_name }}.composition.modules import build_handlers, build_modules
+from {{ cookiecutter.package_name }}.container import build_modules
 
 pytestmark = pytest.mark.architecture
 

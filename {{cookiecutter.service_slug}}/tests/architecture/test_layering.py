@@ -164,12 +164,13 @@ def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
 
 
 def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
-    """The composition: the container and its builders, the entrypoints, a context's
-    ``module.py`` (its adapters map), and the adapters themselves."""
+    """The composition: the service's container and the kit's, the entrypoints, a context's
+    ``module.py`` (its adapters map), the adapters themselves, and the kit's broker test tooling."""
     parts = module.removeprefix(f"{package}.").split(".")
-    composition = module.startswith(f"{package}.") and (
-        parts[0] in {"container", "composition", "entrypoints"}
-        or (parts[0] == "contexts" and parts[-1] == "module")
+    # The kit's test tooling reaches brokers raw on purpose (outbox_kit.testing.brokers).
+    composition = module in {f"{kit}.runtime.container", f"{kit}.testing.brokers"} or (
+        module.startswith(f"{package}.")
+        and (parts[0] in {"container", "entrypoints"} or (parts[0] == "contexts" and parts[-1] == "module"))
     )
     return composition or is_adapter(package, module, kit)
 
@@ -193,7 +194,7 @@ def test_only_the_composition_imports_concrete_adapters() -> None:
     violations = adapter_imports_outside_the_composition(PACKAGE)
 
     assert violations == [], (
-        "Only container.py, composition/, the entrypoints and a context's module.py import "
+        "Only the containers (the service's and the kit's), the entrypoints and a context's module.py import "
         "adapters; depend on the port (a Protocol) and let module.py map it:\n" + "\n".join(violations)
     )
 
@@ -342,9 +343,9 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
         {
             "__init__.py": "",
             "container.py": f"from {kit}.transports import rabbit\n",
-            "composition/__init__.py": "",
-            "composition/edges.py": f"from {kit}.consume import bus\n",
-            "kit/runtime.py": f"from {kit}.consume import bus\n",
+            "kit/runtime/__init__.py": "",
+            "kit/runtime/container.py": f"from {kit}.consume import bus\n",
+            "kit/runtime/worker.py": f"from {kit}.consume import bus\n",
             "kit/consume/__init__.py": "",
             "kit/consume/bus.py": f"from {kit}.transports import rabbit\n",
             "kit/transports/__init__.py": "",
@@ -360,7 +361,7 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
 
     assert adapter_imports_outside_the_composition(package, kit) == [
         f"{package}.contexts.billing.services:1 imports {package}.contexts.billing.infrastructure",
-        f"{kit}.runtime:1 imports {kit}.consume.bus",
+        f"{kit}.runtime.worker:1 imports {kit}.consume.bus",
     ]
 
 

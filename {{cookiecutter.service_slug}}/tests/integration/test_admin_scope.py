@@ -10,13 +10,13 @@ from typing import Any
 
 import httpx
 import pytest
+from outbox_kit.testing.harness import insert_rows, row, state
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
 from ..conftest import live_server, token_for
-from .processor_kit import insert_rows, row, state
 from .test_topology_and_cli import cli
 
 pytestmark = pytest.mark.integration

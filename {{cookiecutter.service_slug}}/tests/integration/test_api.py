@@ -16,13 +16,14 @@ from outbox_kit.domain import (
     NotFoundError,
 )
 from outbox_kit.runtime.errors import install_error_handlers
+from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory
+from outbox_kit.testing.harness import tcp_proxy
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import SERVICE_URLS, ContainerFactory, live_server, token_for
-from ..tcp_proxy import tcp_proxy
+from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 

@@ -23,6 +23,8 @@ from urllib.parse import urlsplit
 import asyncpg
 import httpx
 import pytest
+from outbox_kit.testing.fixtures import SERVICE_URLS, free_port, make_settings
+from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import (
@@ -32,8 +34,7 @@ from {{ cookiecutter.package_name }}.entrypoints.stopping import (
     FORCED_EXIT_GRACE_SECONDS,
 )
 
-from ..conftest import SERVICE_URLS, free_port, make_settings, token_for
-from ..tcp_proxy import TcpProxy, tcp_proxy
+from ..conftest import token_for
 from .test_worker_endpoints import service_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]

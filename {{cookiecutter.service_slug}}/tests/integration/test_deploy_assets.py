@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 import yaml
+from outbox_kit.testing.fixtures import SERVICE_URLS, free_port, fresh_sqlite, make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, free_port, fresh_sqlite, make_settings
 from .test_worker_endpoints import get, service_process, wait_for, worker_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]  # FastStream's metrics need a broker

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from outbox_kit.testing.fixtures import make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
@@ -18,8 +19,6 @@ from {{ cookiecutter.package_name }}.container import (
 from {{ cookiecutter.package_name }}.settings import (
     DEV_JWT_SECRET,
 )
-
-from ..conftest import make_settings
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

@@ -8,12 +8,13 @@ import asyncio
 
 import httpx
 import pytest
+from outbox_kit.testing.fixtures import SERVICE_URLS, make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, live_server, make_settings, token_for
+from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 

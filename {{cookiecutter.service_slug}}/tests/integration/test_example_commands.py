@@ -14,10 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import sqlalchemy as sa
-
-from {{ cookiecutter.package_name }}.composition.edges import build_tokens
-
-from ..conftest import free_port, make_settings
+from outbox_kit.runtime.container import build_tokens
+from outbox_kit.testing.fixtures import free_port, make_settings
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

@@ -15,6 +15,8 @@ import sqlalchemy as sa
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
 )
+from outbox_kit.testing.fixtures import acting_as, fetch, make_settings
+from outbox_kit.testing.harness import command_source
 from sqlmodel import select
 
 from {{ cookiecutter.package_name }}.container import (
@@ -29,9 +31,6 @@ from {{ cookiecutter.package_name }}.contexts.orders.domain import (
 from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     CustomerStatisticsRow,
 )
-
-from ..conftest import acting_as, fetch, make_settings
-from .processor_kit import command_source
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres]
 ORDERS = 50

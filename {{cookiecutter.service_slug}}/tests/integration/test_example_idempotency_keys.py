@@ -2,7 +2,7 @@
 real server: a retried request creates one order and answers the first answer; the same key
 with another body is 422; keys belong to a tenant; identical requests sent at once create
 exactly one order and all get the same answer. The framework piece itself (atomicity, purge) is
-tested without the example in test_idempotency_keys.py."""
+tested without the example in the kit's suite (the template's tests/kit/test_idempotency_keys.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from outbox_kit.persistence.tables import (
     IDEMPOTENCY_KEYS_TABLE,
     OUTBOX_TABLE,
 )
+from outbox_kit.testing.fixtures import fetch
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -24,7 +25,7 @@ from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     ORDERS,
 )
 
-from ..conftest import fetch, live_server, token_for
+from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}

@@ -29,6 +29,7 @@ from outbox_kit.runtime.http import (
     authenticated,
     units_of_work,
 )
+from outbox_kit.testing.harness import install_kit, record_effect
 from pydantic import BaseModel, Field
 
 from {{ cookiecutter.package_name }}.container import (
@@ -36,7 +37,6 @@ from {{ cookiecutter.package_name }}.container import (
 )
 
 from ..conftest import live_server, token_for
-from ..kit import install_kit, record_effect
 
 pytestmark = pytest.mark.integration
 MIB = 1024 * 1024

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
+from outbox_kit.testing.fixtures import create_postgres_database, drop_postgres_database, in_thread, run_async
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
 from {{ cookiecutter.package_name }}.entrypoints import (
     migrations,
 )
-
-from ..conftest import create_postgres_database, drop_postgres_database, in_thread, run_async
 
 pytestmark = pytest.mark.integration
 

@@ -28,6 +28,20 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,
 )
+from outbox_kit.testing.fixtures import acting_as, fetch
+from outbox_kit.testing.harness import (
+    FakeClock,
+    RecordEffect,
+    ScriptedDeliverer,
+    all_rows,
+    command_source,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    record_effect,
+    row,
+    state,
+)
 from outbox_kit.transports.bus import Delivered
 from prometheus_client import generate_latest
 from sqlmodel import select
@@ -36,17 +50,7 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import FakeClock, acting_as, fetch, live_server, token_for
-from ..kit import RecordEffect, install_kit, record_effect
-from .processor_kit import (
-    ScriptedDeliverer,
-    all_rows,
-    command_source,
-    insert_rows,
-    outbox_source,
-    row,
-    state,
-)
+from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 

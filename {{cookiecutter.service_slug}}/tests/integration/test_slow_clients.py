@@ -12,8 +12,8 @@ import time
 
 import httpx
 import pytest
+from outbox_kit.testing.fixtures import free_port
 
-from ..conftest import free_port
 from .test_worker_endpoints import service_process, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

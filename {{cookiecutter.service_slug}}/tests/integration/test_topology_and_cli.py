@@ -30,17 +30,25 @@ from outbox_kit.persistence.unit_of_work import (
     notify_channel,
 )
 from outbox_kit.processor.processor import PostgresListener
+from outbox_kit.runtime.container import build_listener, build_registry
+from outbox_kit.testing.fixtures import acting_as, eventually, fetch
+from outbox_kit.testing.harness import (
+    Counter,
+    Counters,
+    Created,
+    FakeClock,
+    ScriptedDeliverer,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+    state,
+    tcp_proxy,
+)
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.composition.modules import build_modules, build_registry
-from {{ cookiecutter.package_name }}.composition.relay import build_listener
-from {{ cookiecutter.package_name }}.container import Container
-
-from ..conftest import FakeClock, acting_as, eventually, fetch
-from ..kit import Counter, Counters, Created, install_kit
-from ..tcp_proxy import tcp_proxy
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
+from {{ cookiecutter.package_name }}.container import Container, build_modules
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]
@@ -108,7 +116,7 @@ async def test_the_listener_reconnects_and_catches_up(postgres_url: str, make_co
         with acting_as():
             async with container.units_of_work()() as uow:
                 await install_kit(container)
-                from ..kit import CounterChangedV1
+                from outbox_kit.testing.harness import CounterChangedV1
 
                 uow.enqueue(CounterChangedV1(counter_id="c", value=1))
                 await uow.commit()
@@ -128,7 +136,7 @@ async def test_the_listener_detects_a_half_open_connection_and_comes_back(
     the listener drops the connection, retries until the line is back, and listens again."""
     container = make_container(database={"url": postgres_url})
     url = make_url(postgres_url)
-    channel = notify_channel(container.settings().application.resolved_namespace)
+    channel = notify_channel(container.settings().application.namespace)
     wake = WakeSignal()
     async with tcp_proxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         dsn = url.set(drivername="postgresql", host="127.0.0.1", port=proxy.port)

@@ -30,13 +30,14 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.runtime.http import (
     units_of_work,
 )
+from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch
+from outbox_kit.testing.harness import CounterChangedV1, install_kit
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import ContainerFactory, acting_as, fetch, live_server
-from ..kit import CounterChangedV1, install_kit
+from ..conftest import live_server
 
 pytestmark = pytest.mark.integration
 

@@ -21,13 +21,14 @@ from typing import Any
 
 import httpx
 import pytest
+from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory, free_port, make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
 )
 
-from ..conftest import SERVICE_URLS, ContainerFactory, free_port, live_server, make_settings
+from ..conftest import live_server
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]

@@ -41,16 +41,15 @@ from outbox_kit.processor.processor import (
     Processor,
     SourceSettings,
 )
+from outbox_kit.runtime.container import build_listener, source_settings
+from outbox_kit.testing.fixtures import SERVICE_URLS, longest_delivery, make_settings
+from outbox_kit.testing.harness import DELIVERIES, CounterChangedV1, install_kit, record_effect
 from outbox_kit.transports.bus import Delivered
 from outbox_kit.transports.envelope import (
     Envelope,
 )
 
-from {{ cookiecutter.package_name }}.composition.relay import build_listener, source_settings
 from {{ cookiecutter.package_name }}.container import Container, build_container
-
-from ..conftest import SERVICE_URLS, longest_delivery, make_settings
-from ..kit import DELIVERIES, CounterChangedV1, install_kit, record_effect
 
 
 class RecordingDeliverer:

@@ -34,11 +34,10 @@ from outbox_kit.persistence.tables import (
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.testing.fixtures import acting_as, fetch, make_settings
+from outbox_kit.testing.harness import RECEIVED, CounterChangedV1, install_kit
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
-
-from ..conftest import acting_as, fetch, make_settings
-from ..kit import RECEIVED, CounterChangedV1, install_kit
 
 PROJECT = Path(__file__).resolve().parents[2]
 REPORT: list[dict[str, Any]] = []

@@ -46,14 +46,21 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import (
     TableSource,
 )
+from outbox_kit.testing.fixtures import longest_delivery, make_settings
+from outbox_kit.testing.harness import (
+    CONSUMER,
+    DELIVERIES,
+    RECEIVED,
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Noted,
+    install_kit,
+)
 from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
 from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
-
-from ..conftest import longest_delivery, make_settings
-from ..integration.test_brokers import CONSUMER
-from ..kit import DELIVERIES, RECEIVED, Counter, CounterChangedV1, Counters, Noted, install_kit
 
 LEDGER = CONSUMER  # the hostile-message helpers of the broker tests read this consumer's letters
 RELAY_POISON = -1  # an event whose publish fails while the poison file exists

@@ -38,21 +38,20 @@ from outbox_kit.operations.requests import EVERY_TENANT
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.transports.envelope import Signer
-from sqlalchemy.engine import make_url
-
-from {{ cookiecutter.package_name }}.container import Container
-
-from ..conftest import SERVICE_URLS, fetch
-from ..integration.test_hostile_messages import (
+from outbox_kit.testing.brokers import (
     LEFTOVERS,
     PUBLISH_RAW,
     HostileBatch,
     dead_letters_of,
     hostile_messages,
 )
-from ..kit import DELIVERIES
-from ..tcp_proxy import TcpProxy, tcp_proxy
+from outbox_kit.testing.fixtures import SERVICE_URLS, fetch
+from outbox_kit.testing.harness import DELIVERIES, TcpProxy, tcp_proxy
+from outbox_kit.transports.envelope import Signer
+from sqlalchemy.engine import make_url
+
+from {{ cookiecutter.package_name }}.container import Container
+
 from .conformance import (
     Fleet,
     Sent,
@@ -432,7 +431,7 @@ async def test_9_hostile_messages_in_a_normal_stream_are_dead_lettered_and_the_r
     await PUBLISH_RAW[transport](scene.container, batch.messages)
     await all_received(scene.container, sent, DRAIN_SECONDS)
     expected = len(batch.messages) + 1  # and the handler's poison
-    letters = await dead_letters_of(scene.container, batch.messages, timeout=60, expected=expected)
+    letters = await dead_letters_of(scene.container, batch.messages, within=60, expected=expected)
     await scene.fleet.stop_all()
     reasons = {key: letter.error for key, letter in letters.items()}
     for message in batch.messages:

@@ -21,6 +21,8 @@ from outbox_kit.consume.subscribers import CRASH_GUARD_ERROR
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from outbox_kit.testing.fixtures import SERVICE_URLS, acting_as, fetch
+from outbox_kit.testing.harness import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
 from outbox_kit.transports.envelope import (
     Envelope,
 )
@@ -29,8 +31,6 @@ from {{ cookiecutter.package_name }}.container import (
     Container,
 )
 
-from ..conftest import SERVICE_URLS, acting_as, fetch
-from ..kit import DELIVERIES, EFFECTS, CounterChangedV1, install_kit
 from .conformance import declared_topology
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
@@ -196,7 +196,7 @@ async def test_order_per_key_holds_under_two_processors_with_a_poison_head(conta
 async def test_notify_wakes_another_processs_processor(container: Container) -> None:
     await install_kit(container)
     url = container.settings().database.url
-    namespace = container.settings().application.resolved_namespace
+    namespace = container.settings().application.namespace
     sleeper = start(
         "processor",
         url,

@@ -145,6 +145,11 @@ from outbox_kit.processor.processor import (
     CycleResult,
     SourceSettings,
 )
+from outbox_kit.runtime.container import (
+    source_settings,
+)
+from outbox_kit.testing.fixtures import longest_delivery, make_settings
+from outbox_kit.testing.harness import FakeClock
 from outbox_kit.transports.bus import (
     Delivered,
     MessageBus,
@@ -154,15 +159,10 @@ from outbox_kit.transports.envelope import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from {{ cookiecutter.package_name }}.composition.relay import (
-    source_settings,
-)
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
 )
-
-from ..conftest import FakeClock, longest_delivery, make_settings
 
 pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
 T = TypeVar("T")

@@ -7,6 +7,7 @@ import re
 
 import pytest
 from fastapi import APIRouter, FastAPI
+from outbox_kit.testing.fixtures import make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
@@ -17,8 +18,6 @@ from {{ cookiecutter.package_name }}.entrypoints import (
 from {{ cookiecutter.package_name }}.entrypoints.app import (
     create_app,
 )
-
-from ..conftest import make_settings
 
 pytestmark = pytest.mark.unit
 BASE = "http://127.0.0.1:8000"

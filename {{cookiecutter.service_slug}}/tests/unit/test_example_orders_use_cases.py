@@ -10,6 +10,7 @@ from decimal import Decimal
 import pytest
 from outbox_kit.domain import NotFoundError
 from outbox_kit.testing import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
+from outbox_kit.testing.fixtures import acting_as
 
 from {{ cookiecutter.package_name }}.contexts.orders.application import (
     CountCustomerOrder,
@@ -32,8 +33,6 @@ from {{ cookiecutter.package_name }}.contexts.orders.ports import (
     OrderSummary,
 )
 from {{ cookiecutter.package_name }}.contracts.orders import OrderPlacedV1
-
-from ..conftest import acting_as
 
 pytestmark = pytest.mark.unit
 LINES = (

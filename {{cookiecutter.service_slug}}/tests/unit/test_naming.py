@@ -6,6 +6,7 @@ import pytest
 from outbox_kit.consume.bus import (
     FastStreamBus,
 )
+from outbox_kit.testing.fixtures import settings_of
 from outbox_kit.transports.settings import (
     EndpointNames,
 )
@@ -16,8 +17,9 @@ from {{ cookiecutter.package_name }}.about import (
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
-
-from ..conftest import make_settings
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -51,7 +53,8 @@ def test_unsafe_characters_never_reach_the_broker() -> None:
 def test_the_bus_uses_the_namespace_or_falls_back_to_the_slug(
     sqlite_url: str, namespace: str, expected: str
 ) -> None:
-    settings = make_settings(
+    settings = settings_of(
+        Settings,  # the service's slug is the fallback
         sqlite_url,
         application={"namespace": namespace},
         message_bus={"transport": "redis", "url": "redis://127.0.0.1:1"},  # never connected

@@ -10,10 +10,10 @@ from outbox_kit.application.otel import (
     OpenTelemetryTracing,
     otlp_processor,
 )
+from outbox_kit.runtime.container import build_tracing
 from outbox_kit.transports.envelope import LIMITS
 from pydantic import BaseModel, ValidationError
 
-from {{ cookiecutter.package_name }}.composition.edges import build_tracing
 from {{ cookiecutter.package_name }}.settings import (
     MessageBusSettings,
     Settings,

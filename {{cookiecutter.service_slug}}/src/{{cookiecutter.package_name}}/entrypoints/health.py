@@ -77,7 +77,7 @@ def service_asyncapi(container: Container) -> dict[str, Any]:
         container.registry(),
         container.handlers(),
         settings.message_bus,
-        namespace=settings.application.resolved_namespace,
+        namespace=settings.application.namespace,
         title=SERVICE_NAME,
         description=DESCRIPTION,
     )

@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 from outbox_kit.application.text import CredentialMaskingFilter
-from outbox_kit.runtime.log_formats import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 
 from ..settings import LoggingSettings
 

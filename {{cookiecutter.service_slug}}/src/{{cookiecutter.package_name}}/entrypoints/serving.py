@@ -15,7 +15,7 @@ from outbox_kit.application.text import mask_credentials
 
 from ..about import SERVICE_NAME
 from ..container import Container
-from ..settings import DEV_JWT_SECRET, Settings
+from ..settings import DEV_JWT_SECRET, ServiceSettings
 from .cli_errors import CliError
 from .stopping import FORCE_EXIT_STATE
 
@@ -51,7 +51,7 @@ async def serve(container: Container, listening: socket.socket, *, with_worker: 
     await serve_app(app, listening, settings)
 
 
-async def serve_app(app: FastAPI, listening: socket.socket, settings: Settings) -> None:
+async def serve_app(app: FastAPI, listening: socket.socket, settings: ServiceSettings) -> None:
     """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT, with the
     time limits for slow clients (``API__HEADER_READ_TIMEOUT_SECONDS`` and the keep-alive).
 
@@ -78,7 +78,7 @@ def socket_host(listening: socket.socket) -> str:
 ORDER_EXAMPLE = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'
 
 
-def print_banner(settings: Settings, app: FastAPI, base: str, *, with_worker: bool) -> None:
+def print_banner(settings: ServiceSettings, app: FastAPI, base: str, *, with_worker: bool) -> None:
     """What is running and what to try first (development mode only)."""
     package = __package__.rpartition(".")[0]
     token = f"TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice --roles outbox-admin)"
@@ -117,7 +117,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def refuse_the_published_secret_beyond_loopback(settings: Settings, host: str) -> None:
+def refuse_the_published_secret_beyond_loopback(settings: ServiceSettings, host: str) -> None:
     """The default JWT secret is in the template for everyone to read: with it, anyone could
     mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
     if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):

@@ -1,9 +1,140 @@
-"""The HTTP entry points' settings (``API__*``): a module of their own, so reading the settings
-never imports the HTTP server."""
+"""Every runtime knob of a service, read from the environment (nested with ``__``, no prefix)
+and ``.env``: the root, :class:`ServiceSettings`, and the sections the kit does not keep beside
+the component they configure (the database's, the bus's and the relay's are in
+``persistence.settings``, ``transports.settings`` and ``processor.settings``).
+
+A service derives its ``Settings`` from :class:`ServiceSettings`, names itself
+(``service_slug``) and may add sections of its own. Reading the settings imports no HTTP server.
+
+Defaults (polling 2 s, processing delay 5 s, lease 300 s, five retries, backoff base 10 s, batch
+100, retention 7 days). The embedded default is a SQLite file and the in-process transport, so a
+fresh checkout runs with no server at all. ``MESSAGE_BUS__ENABLE_OUTBOX`` and
+``MESSAGE_BUS__ENABLE_INBOX`` are tri-state: unset resolves ON for a broker transport and OFF for
+the in-process one; code reads the resolved ``outbox_enabled`` / ``inbox_enabled`` only.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import math
+from enum import StrEnum
+from typing import ClassVar, Self
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.transports.settings import (
+    EXAMPLE_SIGNING_SECRET,
+    MIN_PRODUCTION_KEY_LENGTH,
+    MessageBusSettings,
+)
+
+
+class Environment(StrEnum):
+    """Development allows conveniences (dev tokens, default secrets); production refuses them."""
+
+    DEVELOPMENT = "development"
+    PRODUCTION = "production"
+
+
+class ApplicationSettings(BaseModel):
+    """Identity of the running service."""
+
+    namespace: str = Field(default="", description="Prefix for broker names; the slug when empty")
+    instance_id: str = Field(default="", description="Processor id in leases; host:pid when empty")
+
+
+class WorkerSettings(BaseModel):
+    """Where ``worker`` serves ``/livez``, ``/readyz`` and ``/metrics``, and when it is stalled.
+
+    Without a port the worker serves nothing, so several workers can share a host; give each its
+    own port (``WORKER__PORT`` or ``--port``) to scrape and probe it.
+    """
+
+    host: str = "127.0.0.1"
+    port: int | None = Field(default=None, ge=0, le=65535)
+    liveness_timeout_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="A processor loop silent this long fails /livez; unset = lease + 3 idle intervals",
+    )
+
+    @field_validator("port", "liveness_timeout_seconds", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: object) -> object:
+        """``WORKER__PORT=`` (as ``.env.example`` has it) means no port, not an error."""
+        return None if value == "" else value
+
+
+class LoggingSettings(BaseModel):
+    """Plain text for people, JSON lines for machines."""
+
+    level: str = "INFO"
+    json_format: bool = False
+
+
+class TracingBackend(StrEnum):
+    """``none``: no spans (nothing imported); ``otel``: OpenTelemetry, exported over OTLP."""
+
+    NONE = "none"
+    OTEL = "otel"
+
+
+class TelemetrySettings(BaseModel):
+    """Tracing (metrics are always on, at ``/metrics``). The OTLP endpoint, service name and
+    sampling come from OpenTelemetry's own ``OTEL_*`` variables."""
+
+    tracing: TracingBackend = TracingBackend.NONE
+
+
+DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (refused in production)
+
+# RFC 7518 section 3.2: an HMAC key at least as long as the hash output.
+MIN_JWT_SECRET_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
+
+
+class AuthSettings(BaseModel):
+    """Bearer JWTs (HS256) carrying ``sub``, ``tenant`` and ``roles``."""
+
+    jwt_secret: SecretStr = SecretStr(DEV_JWT_SECRET)
+    jwt_algorithm: str = "HS256"
+    jwt_issuer: str = ""
+    jwt_audience: str = ""
+    token_ttl_minutes: int = Field(default=60, ge=1)
+    admin_role: str = "outbox-admin"
+    operator_role: str = "outbox-operator"
+
+    @field_validator("jwt_algorithm")
+    @classmethod
+    def _shared_secret_algorithm(cls, value: str) -> str:
+        """Only the HMAC algorithms verify with a shared secret (``none`` verifies nothing)."""
+        if value not in MIN_JWT_SECRET_BYTES:
+            msg = (
+                "AUTH__JWT_ALGORITHM must be HS256, HS384 or HS512 (tokens signed with the shared "
+                f"secret), got {value!r}"
+            )
+            raise ValueError(msg)
+        return value
+
+    def refuse_in_production(self) -> None:
+        """The development secret, a key shorter than its hash, or tokens not bound to an issuer
+        and an audience (any service sharing the secret could mint ours) are refused."""
+        secret = self.jwt_secret.get_secret_value()
+        if secret == DEV_JWT_SECRET:
+            msg = "AUTH__JWT_SECRET must be set in production"
+            raise ValueError(msg)
+        minimum = MIN_JWT_SECRET_BYTES[self.jwt_algorithm]
+        if len(secret.encode()) < minimum:
+            msg = (
+                f"AUTH__JWT_SECRET must be at least {minimum} bytes for {self.jwt_algorithm}, "
+                f"got {len(secret.encode())} (RFC 7518 3.2)"
+            )
+            raise ValueError(msg)
+        for name, value in (("jwt_issuer", self.jwt_issuer), ("jwt_audience", self.jwt_audience)):
+            if not value:
+                msg = f"AUTH__{name.upper()} must be set in production (every token is checked against it)"
+                raise ValueError(msg)
 
 
 class ApiSettings(BaseModel):
@@ -34,3 +165,135 @@ class ApiSettings(BaseModel):
     readiness_timeout_seconds: float = Field(
         default=2.0, gt=0, description="A /readyz check (database, bus) not answering this long fails"
     )
+
+
+class ServiceSettings(BaseSettings):
+    """The root of every setting; the container builds one per process. A service derives its
+    own, naming itself in ``service_slug`` (the default namespace and tracing's service name)."""
+
+    service_slug: ClassVar[str] = "outbox-service"
+
+    model_config = SettingsConfigDict(
+        env_file=".env",
+        env_file_encoding="utf-8",
+        env_nested_delimiter="__",
+        extra="ignore",
+    )
+
+    environment: Environment = Environment.DEVELOPMENT
+    application: ApplicationSettings = ApplicationSettings()
+    database: DatabaseSettings = DatabaseSettings()
+    message_bus: MessageBusSettings = MessageBusSettings()
+    outbox: OutboxSettings = OutboxSettings()
+    inbox: InboxSettings = InboxSettings()
+    auth: AuthSettings = AuthSettings()
+    api: ApiSettings = ApiSettings()
+    worker: WorkerSettings = WorkerSettings()
+    logging: LoggingSettings = LoggingSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+
+    @model_validator(mode="after")
+    def _namespace_defaults_to_the_slug(self) -> Self:
+        if not self.application.namespace:
+            self.application = self.application.model_copy(update={"namespace": self.service_slug})
+        return self
+
+    @property
+    def is_production(self) -> bool:
+        return self.environment is Environment.PRODUCTION
+
+    @property
+    def liveness_timeout_seconds(self) -> float:
+        """How long a processor loop may go without a turn before ``/livez`` fails. The longest
+        cycle is the lease, or a batch whose every delivery runs handlers and hangs to its time
+        limit: those run a pool's worth at a time (``source.py``), so ``ceil(batch / room)``
+        rounds of ``OUTBOX__DELIVERY_TIMEOUT_SECONDS`` (600 s at the defaults: a worker merely
+        busy with hung handlers must not be restarted for it). Between cycles a loop sleeps at
+        most its idle interval; three of those leave room for a slow database."""
+        outbox = self.outbox
+        idle = max(outbox.polling_interval_seconds, outbox.idle_polling_interval_seconds)
+        room = min(outbox.delivery_concurrency, self.database.pool_size)
+        longest_cycle = max(
+            outbox.lease_seconds, math.ceil(outbox.batch_size / room) * outbox.delivery_timeout_seconds
+        )
+        return self.worker.liveness_timeout_seconds or longest_cycle + 3 * idle
+
+    @model_validator(mode="after")
+    def _refuse_a_liveness_shorter_than_a_sleep(self) -> Self:
+        """An idle loop sleeps up to its idle interval: a shorter liveness timeout would fail
+        ``/livez`` on every idle worker and have the orchestrator restart it for nothing."""
+        timeout, outbox = self.worker.liveness_timeout_seconds, self.outbox
+        longest_sleep = max(outbox.polling_interval_seconds, outbox.idle_polling_interval_seconds)
+        if timeout is not None and timeout <= longest_sleep:
+            msg = (
+                f"WORKER__LIVENESS_TIMEOUT_SECONDS ({timeout:g}) must be longer than the longest sleep "
+                f"of a processor loop ({longest_sleep:g} s: OUTBOX__IDLE_POLLING_INTERVAL_SECONDS and "
+                "OUTBOX__POLLING_INTERVAL_SECONDS)"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_a_publish_limit_longer_than_a_delivery(self) -> Self:
+        """A publish is one part of a delivery, and its own limit must end it first: a publish
+        timing out during a broker outage is an outage (the circuit breaker pauses delivery,
+        nothing is charged), while the delivery's limit cutting it is charged to the row. An
+        equal limit races the two timers and charged outages to rows."""
+        publish, delivery = self.message_bus.publish_timeout_seconds, self.outbox.delivery_timeout_seconds
+        if publish >= delivery:
+            msg = (
+                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must be below "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery, "
+                "and a publish timing out in a broker outage must not be charged to the row"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_an_in_process_handler_limit_as_long_as_a_delivery(self) -> Self:
+        """In-process, every consumer of an event runs inside the delivery that publishes it: a
+        handler limit as long as the delivery's would let one hung consumer use the whole
+        delivery, and the consumers after it would never run."""
+        handler, delivery = self.message_bus.handler_timeout_seconds, self.outbox.delivery_timeout_seconds
+        if not self.message_bus.is_broker and handler >= delivery:
+            msg = (
+                f"MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS ({handler:g}) must be below "
+                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}) with the in-process transport: "
+                "its consumers run inside a delivery"
+            )
+            raise ValueError(msg)
+        return self
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_combinations(self) -> Self:
+        bus = self.message_bus
+        if bus.is_broker and bus.enable_outbox is False:
+            msg = (
+                f"MESSAGE_BUS__ENABLE_OUTBOX=false is refused with the {bus.transport} transport: "
+                "integration events would bypass the outbox and be lost on a crash"
+            )
+            raise ValueError(msg)
+        if bus.signing_key_id and bus.signing_key_id not in bus.signing_keys:
+            msg = f"MESSAGE_BUS__SIGNING_KEY_ID {bus.signing_key_id!r} is not in SIGNING_KEYS"
+            raise ValueError(msg)
+        if self.is_production:
+            self.auth.refuse_in_production()
+            if bus.is_broker and not bus.signing_keys and not bus.allow_unsigned:
+                msg = (
+                    "MESSAGE_BUS__SIGNING_KEYS must be set for a broker transport in production "
+                    "(or set MESSAGE_BUS__ALLOW_UNSIGNED=true to accept unsigned context headers)"
+                )
+                raise ValueError(msg)
+            weak = sorted(
+                kid
+                for kid, secret in bus.signing_keys.items()
+                if secret.get_secret_value() == EXAMPLE_SIGNING_SECRET
+                or len(secret.get_secret_value()) < MIN_PRODUCTION_KEY_LENGTH
+            )
+            if weak:
+                msg = (
+                    f"MESSAGE_BUS__SIGNING_KEYS {', '.join(weak)}: the example key or shorter than "
+                    f"{MIN_PRODUCTION_KEY_LENGTH} characters is refused in production"
+                )
+                raise ValueError(msg)
+        return self

@@ -12,7 +12,17 @@ service code).
   architecture rules of your own (where a publish or a subscribe may appear, say).
 """
 
-from outbox_kit.testing.callgraph import CallGraph
+from outbox_kit.testing.callgraph import (
+    CallGraph,
+    ClassRef,
+    FunctionSource,
+    Instance,
+    Scope,
+    SourceIndex,
+    own_nodes,
+    source_index,
+    type_name,
+)
 from outbox_kit.testing.fakes import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
 from outbox_kit.testing.save_rule import (
     DEFAULT_DEPTH,
@@ -26,16 +36,6 @@ from outbox_kit.testing.save_rule import (
     SinkSpec,
     Violation,
     service_save_rule,
-)
-from outbox_kit.testing.sources import (
-    ClassRef,
-    FunctionSource,
-    Instance,
-    Scope,
-    SourceIndex,
-    own_nodes,
-    source_index,
-    type_name,
 )
 
 __all__ = [

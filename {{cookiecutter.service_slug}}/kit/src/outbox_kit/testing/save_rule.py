@@ -75,9 +75,9 @@ from typing import Any
 
 from outbox_kit.application.handlers import Module, collect_adapters
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
-from outbox_kit.testing.callgraph import CallGraph
-from outbox_kit.testing.sources import (
+from outbox_kit.testing.callgraph import (
     Callee,
+    CallGraph,
     ClassRef,
     Edge,
     External,

@@ -47,7 +47,7 @@ its consumer group has assigned it partitions, and a broker holds a group's join
 (two subscribers each) waited 2n join rounds before it consumed anything.
 
 Tested against a Kafka-protocol broker (the generated suite's ``kafka`` marker) and with
-FastStream's TestKafkaBroker and a fake admin client (tests/unit/test_test_brokers.py)."""
+FastStream's TestKafkaBroker and a fake admin client (the template's tests/kit/test_test_brokers.py)."""
 
 from __future__ import annotations
 

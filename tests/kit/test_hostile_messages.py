@@ -12,16 +12,25 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.brokers import (
+    HEADER_VALUE_LIMIT,
+    LEFTOVERS,
+    LEGIT_BODY,
+    PUBLISH_RAW,
+    Hostile,
+    HostileBatch,
+    dead_letters_of,
+    hostile_messages,
+    publish_raw_rabbitmq,
+    publish_redis_only,
+    redis_only_messages,
+)
+from outbox_kit.testing.fixtures import SERVICE_URLS, eventually
 from outbox_kit.transports.base import (
-    DeadLetterCopy,
     ReceivedMessage,
 )
 from outbox_kit.transports.kafka import (
@@ -36,313 +45,13 @@ from outbox_kit.transports.rabbit import (
 from outbox_kit.transports.redis import (
     RedisDelivery,
 )
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import SERVICE_URLS, eventually
-from ..kit import CounterChangedV1
-from .test_brokers import CONSUMER, TRANSPORTS, Start, effects_become, effects_of, envelope
-from .test_brokers import start as start  # the fixture  # noqa: PLC0414
+from test_brokers import CONSUMER, TRANSPORTS, Start, effects_become, effects_of, envelope
+from test_brokers import start as start  # the fixture  # noqa: PLC0414
 
 pytestmark = pytest.mark.integration
-EVENT = CounterChangedV1.message_name
-LEGIT_BODY = json.dumps({"counter_id": "c", "value": 99}).encode()
-HUGE_INT_BODY = b'{"counter_id": "c", "value": ' + b"9" * 5000 + b"}"  # past int's 4300 digits
-DEEP_BODY = b"[" * 100_000 + b"]" * 100_000  # RecursionError in json
-LONG_VALUE = "y" * 10_000
-HEADER_VALUE_LIMIT = 1024  # what a dead-letter copy keeps of one header value
 
 
-class NonUtf8LongString(str):
-    """An AMQP long-string header holding bytes that are not UTF-8, as a client in another
-    language may send it (pamqp encodes a ``str`` through ``encode``; bytes it refuses)."""
-
-    raw: bytes
-
-    def __new__(cls, raw: bytes) -> NonUtf8LongString:
-        value = super().__new__(cls, raw.decode("latin-1"))
-        value.raw = raw
-        return value
-
-    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-        del encoding, errors
-        return self.raw
-
-
-@dataclass(frozen=True)
-class Hostile:
-    label: str
-    body: bytes
-    headers: dict[str, Any]
-    reason: str
-    message_id: str
-
-
-@dataclass
-class HostileBatch:
-    """The hostile messages of one transport, built on the running container's signer."""
-
-    container: Container
-    transport: str
-    messages: list[Hostile] = field(default_factory=list)
-
-    def add(
-        self,
-        label: str,
-        body: bytes,
-        reason: str,
-        *,
-        signed: bool = True,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        message_id = f"{label}-{uuid.uuid4().hex[:8]}"
-        headers = {
-            "x-message-id": message_id,
-            "x-event-name": EVENT,
-            "x-occurred-on": datetime.now(UTC).isoformat(),
-        }
-        if signed:
-            headers = self.container.signer().sign(headers, body)
-        self.messages.append(Hostile(label, body, headers | (extra or {}), reason, message_id))
-
-
-def hostile_messages(container: Container, transport: str) -> HostileBatch:
-    batch = HostileBatch(container, transport)
-    batch.add("unsigned-huge-int", HUGE_INT_BODY, "unsigned", signed=False)
-    batch.add("huge-int", HUGE_INT_BODY, "malformed_body")
-    batch.add("deep", DEEP_BODY, "malformed_body")
-    junk: dict[str, Any] = {"x-nul": "a\x00b", "x-long": LONG_VALUE, "x-newline": "a\r\nforged: yes"}
-    if transport == "nats":
-        junk = {"x-long": LONG_VALUE}  # NATS header values are single-line text by protocol
-    if transport == "rabbitmq":
-        junk |= {"x-junk": NonUtf8LongString(b"\xff\xfe not UTF-8"), "x-bytes": bytearray(b"\x00\xff")}
-    batch.add("junk-headers", LEGIT_BODY, "unsigned", signed=False, extra=junk)
-    if transport == "rabbitmq":  # counters the broker writes; forged here
-        batch.add("forged-x-death", LEGIT_BODY, "malformed_header", extra={"x-death": "garbage"})
-        batch.add("forged-delivery-count", LEGIT_BODY, "malformed_header", extra={"x-delivery-count": "abc"})
-    if transport == "kafka":  # the attempt counter this service writes on a retry copy; forged here
-        batch.add("forged-attempt", LEGIT_BODY, "malformed_header", extra={"x-attempt": "abc"})
-        # Kafka header values are any bytes, or null.
-        batch.add(
-            "raw-bytes-headers",
-            LEGIT_BODY,
-            "unsigned",
-            signed=False,
-            extra={"x-junk": b"\xff\xfe", "x-null": None},
-        )
-    return batch
-
-
-async def publish_raw_rabbitmq(container: Container, messages: list[Hostile]) -> None:
-    import aio_pika
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
-    async with connection:
-        channel = await connection.channel()
-        exchange = await channel.get_exchange(names.exchange(), ensure=False)
-        for message in messages:
-            await exchange.publish(
-                aio_pika.Message(message.body, headers=message.headers), routing_key=names.channel(EVENT)
-            )
-
-
-async def publish_raw_nats(container: Container, messages: list[Hostile]) -> None:
-    import nats
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    client = await nats.connect(SERVICE_URLS["nats"])
-    try:
-        js = client.jetstream()
-        for message in messages:
-            await js.publish(
-                names.channel(EVENT), message.body, headers=message.headers, stream=names.stream("events")
-            )
-    finally:
-        await client.close()
-
-
-async def publish_raw_redis(container: Container, messages: list[Hostile]) -> None:
-    """Entries in FastStream's binary format; the junk headers in its legacy JSON form, which
-    carries any JSON value as a header; one more entry whose JSON ``headers`` is no object."""
-    from faststream.redis.parser.binary import BinaryMessageFormatV1
-
-    bus = container.bus()
-    client = bus.broker.config.connection.client  # type: ignore[attr-defined]
-    stream = bus.names.channel(EVENT)  # type: ignore[attr-defined]
-    for message in messages:
-        if message.label == "junk-headers":
-            legacy = {"data": message.body.decode(), "headers": message.headers | {"x-nested": {"a": [1]}}}
-            data = json.dumps(legacy).encode()
-        else:
-            data = await BinaryMessageFormatV1.encode(
-                message=message.body, reply_to=None, headers=message.headers, correlation_id="raw"
-            )
-        await client.xadd(stream, {"__data__": data})
-
-
-async def publish_raw_kafka(container: Container, messages: list[Hostile]) -> None:
-    from aiokafka import AIOKafkaProducer
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    producer = AIOKafkaProducer(bootstrap_servers=SERVICE_URLS["kafka"], max_request_size=4_000_000)
-    await producer.start()
-    try:
-        for message in messages:
-            headers = [
-                (name, value if value is None or isinstance(value, bytes) else str(value).encode())
-                for name, value in message.headers.items()
-            ]
-            await producer.send_and_wait(names.channel(EVENT), message.body, headers=headers)
-    finally:
-        await producer.stop()
-
-
-PUBLISH_RAW: dict[str, Callable[[Container, list[Hostile]], Awaitable[None]]] = {
-    "rabbitmq": publish_raw_rabbitmq,
-    "kafka": publish_raw_kafka,
-    "nats": publish_raw_nats,
-    "redis": publish_raw_redis,
-}
-
-
-def redis_only_messages(batch: HostileBatch) -> None:
-    """What only Redis can carry: a header value that is not UTF-8 (FastStream then drops every
-    header of the entry), and a legacy envelope whose ``headers`` is a list (FastStream's parser
-    fails on it)."""
-    batch.add("non-utf8-header", LEGIT_BODY, "unsigned", signed=False, extra={"x-junk": b"\xff\xfe"})
-    batch.add("headers-list", LEGIT_BODY, "unsigned", signed=False)
-
-
-async def publish_redis_only(container: Container, messages: list[Hostile]) -> None:
-    from faststream.redis.parser.binary import BinaryMessageFormatV1
-
-    bus = container.bus()
-    client = bus.broker.config.connection.client  # type: ignore[attr-defined]
-    stream = bus.names.channel(EVENT)  # type: ignore[attr-defined]
-    for message in messages:
-        if message.label == "headers-list":
-            data = json.dumps(
-                {"data": f"{message.message_id} body", "headers": [message.message_id]}
-            ).encode()
-        else:
-            data = await BinaryMessageFormatV1.encode(
-                message=message.body, reply_to=None, headers=message.headers, correlation_id="raw"
-            )
-        await client.xadd(stream, {"__data__": data})
-
-
-def identify(letter: DeadLetterCopy, messages: list[Hostile]) -> str | None:
-    """The hostile message a dead letter is a copy of: by its id header, or by its body where the
-    transport could not read the headers (the raw entry, id included, became the body)."""
-    by_header = letter.headers.get("x-message-id")
-    if by_header:
-        return by_header
-    return next((m.message_id for m in messages if m.message_id.encode() in letter.body), None)
-
-
-async def dead_letters_of(
-    container: Container, messages: list[Hostile], timeout: float, expected: int | None = None
-) -> dict[str, DeadLetterCopy]:
-    """The consumer's dead letters by message id, once ``expected`` (default: one per message)
-    arrived or ``timeout`` passed."""
-    found: dict[str, DeadLetterCopy] = {}
-    wanted = len(messages) if expected is None else expected
-    deadline = time.monotonic() + timeout
-    while len(found) < wanted and time.monotonic() < deadline:
-        for letter in await container.bus().dead_letters(CONSUMER):  # type: ignore[attr-defined]
-            key = identify(letter, messages)
-            found[key or f"unidentified-{len(found)}"] = letter
-        await asyncio.sleep(0.2)
-    return found
-
-
-async def rabbitmq_leftovers(container: Container) -> dict[str, int]:
-    """Messages left on the main and retry queues once the consumer is gone. A message the service
-    never acknowledged is requeued when its channel closes, so it is counted here as ready: no
-    management plugin needed to see unacked ones."""
-    import aio_pika
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
-    async with connection:
-        channel = await connection.channel()
-        counts = {}
-        for name in (names.queue(CONSUMER), names.retry_queue(CONSUMER)):
-            queue = await channel.declare_queue(name, passive=True)
-            counts[name] = queue.declaration_result.message_count
-        return counts
-
-
-async def nats_leftovers(container: Container) -> dict[str, int]:
-    import nats
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    client = await nats.connect(SERVICE_URLS["nats"])
-    try:
-        durable = re.sub(r"[^A-Za-z0-9_-]", "_", names.queue(CONSUMER))
-        info = await client.jetstream().consumer_info(names.stream("events"), durable)
-        return {"num_ack_pending": info.num_ack_pending, "num_pending": info.num_pending}
-    finally:
-        await client.close()
-
-
-async def redis_leftovers(container: Container) -> dict[str, int]:
-    from redis.asyncio import Redis
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    client = Redis.from_url(SERVICE_URLS["redis"])
-    try:
-        stream, group = names.channel(EVENT), names.queue(CONSUMER)
-        pending = await client.xpending(stream, group)
-        (info,) = [g for g in await client.xinfo_groups(stream) if g["name"].decode() == group]
-        return {"pending": pending["pending"], "lag": info["lag"]}
-    finally:
-        await client.aclose()
-
-
-async def kafka_leftovers(container: Container) -> dict[str, int]:
-    """Records of the main and retry topics past the consumer group's committed offsets (Kafka
-    acknowledges by committing an offset: a record left behind is one never acknowledged)."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
-    names = container.bus().names  # type: ignore[attr-defined]
-    topics = (names.channel(EVENT), names.retry_queue(CONSUMER))
-    # A member of the group that subscribes to nothing: it only reads the group's offsets.
-    reader = AIOKafkaConsumer(bootstrap_servers=SERVICE_URLS["kafka"], group_id=names.queue(CONSUMER))
-    await reader.start()
-    try:
-        await reader.topics()
-        partitions = [
-            TopicPartition(topic, p) for topic in topics for p in reader.partitions_for_topic(topic) or ()
-        ]
-        assert {tp.topic for tp in partitions} == set(topics)  # or nothing would be counted
-        for _ in range(20):
-            ends = await reader.end_offsets(partitions)
-            left = dict.fromkeys(topics, 0)
-            for tp, end in ends.items():
-                left[tp.topic] += end - (await reader.committed(tp) or 0)
-            # A committed offset past the end is a read that raced the broker's own bookkeeping
-            # (seen once on tansu), not a leftover: read again. A real leftover is positive.
-            if min(left.values()) >= 0:
-                break
-            await asyncio.sleep(0.5)
-    finally:
-        await reader.stop()
-    return left
-
-
-LEFTOVERS: dict[str, Callable[[Container], Awaitable[dict[str, int]]]] = {
-    "rabbitmq": rabbitmq_leftovers,
-    "kafka": kafka_leftovers,
-    "nats": nats_leftovers,
-    "redis": redis_leftovers,
-}
-
-
-def counted(container: Container, metric: str, reason: str) -> float:
+def counted(container: OutboxContainer, metric: str, reason: str) -> float:
     registry = container.metrics().registry
     return registry.get_sample_value(metric, {"consumer": CONSUMER, "reason": reason}) or 0.0
 
@@ -362,7 +71,7 @@ async def test_hostile_messages_are_dead_lettered_with_their_reason_and_none_sta
     legit = envelope(5)
     await container.bus().publish(legit)
 
-    letters = await dead_letters_of(container, batch.messages, timeout=30)
+    letters = await dead_letters_of(container, batch.messages, within=30)
     await effects_become(container, ["consumed:5"], timeout=30)
     await asyncio.sleep(1.0)  # three redelivery delays: a message still cycling would show
     await container.worker().stop()  # RabbitMQ requeues what was left unacknowledged
@@ -392,7 +101,7 @@ async def test_a_dead_letter_copy_carries_only_clean_bounded_header_values(
     junk = hostile_messages(container, transport).messages[3]
     batch.messages.append(junk)
     await PUBLISH_RAW[transport](container, batch.messages)
-    letters = await dead_letters_of(container, batch.messages, timeout=30)
+    letters = await dead_letters_of(container, batch.messages, within=30)
     (letter,) = letters.values()
     assert letter.headers["x-message-id"] == junk.message_id
     for name, value in letter.headers.items():
@@ -464,7 +173,7 @@ async def test_an_unexpected_error_before_the_attempt_is_known_dead_letters_the_
     container, observer = await start(transport)
     message = envelope(7)
     await container.bus().publish(message)
-    letters = await dead_letters_of(container, [], timeout=20, expected=1)
+    letters = await dead_letters_of(container, [], within=20, expected=1)
     await container.worker().stop()
     assert [letter.headers["x-message-id"] for letter in letters.values()] == [message.message_id]
     (letter,) = letters.values()
@@ -493,7 +202,7 @@ async def test_a_refused_dead_letter_copy_leaves_no_rabbitmq_message_unacknowled
         await publish_raw_rabbitmq(container, batch.messages)
         await asyncio.sleep(2.0)  # several 0.3 s retry cycles, every copy refused
         await channel.declare_queue(dead_letter_queue, durable=True)
-    letters = await dead_letters_of(container, batch.messages, timeout=20)
+    letters = await dead_letters_of(container, batch.messages, within=20)
     await container.worker().stop()
     assert list(letters) == [batch.messages[0].message_id]
     assert set((await LEFTOVERS["rabbitmq"](container)).values()) == {0}
@@ -537,7 +246,7 @@ def control_byte_headers(transport: str, base: dict[str, Any]) -> dict[str, Any]
         headers, index = candidate, index + 1
 
 
-def largest_message(container: Container, transport: str, shape: str) -> HostileBatch:
+def largest_message(container: OutboxContainer, transport: str, shape: str) -> HostileBatch:
     batch = HostileBatch(container, transport)
     if shape == "headers":
         batch.add("largest-headers", LEGIT_BODY, "unsigned", signed=False)
@@ -555,7 +264,7 @@ def largest_message(container: Container, transport: str, shape: str) -> Hostile
     return batch
 
 
-def connection_of(container: Container, transport: str) -> object:
+def connection_of(container: OutboxContainer, transport: str) -> object:
     """The service's RabbitMQ connection's transport: a reconnect replaces it."""
     if transport != "rabbitmq":
         return None
@@ -582,7 +291,7 @@ async def test_the_largest_message_a_broker_accepts_is_dead_lettered_and_the_lin
     legit = envelope(5)
     await container.bus().publish(legit)
 
-    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, timeout=60), 90)
+    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, within=60), 90)
     await effects_become(container, ["consumed:5"], timeout=30)
     after = envelope(6)  # the line still flows, promptly
     await container.bus().publish(after)
@@ -631,7 +340,7 @@ async def test_a_kafka_retry_copy_of_the_largest_record_is_bounded(start: Start,
         batch.add("retried", value + b" " * (LARGEST_MESSAGE["kafka"] - len(value) - 1_000), "")
     (record,) = batch.messages
     await PUBLISH_RAW["kafka"](container, batch.messages)
-    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, timeout=60), 90)
+    letters = await asyncio.wait_for(dead_letters_of(container, batch.messages, within=60), 90)
     after = envelope(8)
     await container.bus().publish(after)
     await effects_become(container, ["consumed:8"], timeout=30)

@@ -24,18 +24,32 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,
 )
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    ContainerFactory,
+    acting_as,
+    eventually,
+    kit_container,
+    make_settings,
+)
+from outbox_kit.testing.harness import (
+    Counter,
+    CounterChangedV1,
+    Counters,
+    Created,
+    FakeClock,
+    ScriptedDeliverer,
+    all_rows,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+    state,
+    tcp_proxy,
+)
 from outbox_kit.transports.bus import CircuitOpenError, Delivered
 from sqlalchemy.exc import DBAPIError
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import SERVICE_URLS, ContainerFactory, FakeClock, acting_as, eventually, make_settings
-from ..kit import Counter, CounterChangedV1, Counters, Created, install_kit
-from ..tcp_proxy import tcp_proxy
-from .processor_kit import ScriptedDeliverer, all_rows, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +59,7 @@ async def fail(row_: ClaimedRow) -> Delivered:
     raise ConnectionError(msg)
 
 
-async def test_a_claimed_row_is_leased_to_exactly_one_claimer(container: Container) -> None:
+async def test_a_claimed_row_is_leased_to_exactly_one_claimer(container: OutboxContainer) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
     first = await outbox_source(container, ScriptedDeliverer(), clock).claim(uuid.uuid4())
@@ -55,7 +69,7 @@ async def test_a_claimed_row_is_leased_to_exactly_one_claimer(container: Contain
 
 
 async def test_failures_back_off_with_jitter_and_dead_letter_after_exactly_max_retries(
-    container: Container, caplog: pytest.LogCaptureFixture
+    container: OutboxContainer, caplog: pytest.LogCaptureFixture
 ) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
@@ -85,7 +99,7 @@ async def test_failures_back_off_with_jitter_and_dead_letter_after_exactly_max_r
     assert counter._value.get() == 1
 
 
-async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container: Container) -> None:
+async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.never-registered.v1", clock.now)])
     source = outbox_source(container, container.outbox_deliverer(), clock)
@@ -100,7 +114,7 @@ async def test_an_unresolvable_name_is_retried_once_then_dead_lettered(container
 
 
 async def test_an_unresolvable_name_after_other_failures_still_gets_its_one_retry(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """Three earlier attempts failed for another reason (the broker refused, say); the first
     time the name does not resolve is still only the first miss."""
@@ -129,7 +143,7 @@ def renamed_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
     return {**kept, "full_name": str(payload["name"]).title()}
 
 
-async def test_a_stored_v1_row_is_delivered_as_the_upcast_v2_class(container: Container) -> None:
+async def test_a_stored_v1_row_is_delivered_as_the_upcast_v2_class(container: OutboxContainer) -> None:
     """A row written by the previous version of the service (v1 name and payload) reaches the
     handler of today's v2 class, through the upcaster the module declares."""
     registry = container.registry()
@@ -153,14 +167,16 @@ async def test_a_stored_v1_row_is_delivered_as_the_upcast_v2_class(container: Co
     assert (await state(container, row_id)).processed_on is not None
 
 
-async def test_max_retries_one_means_no_retry_even_for_unresolvable(container: Container) -> None:
+async def test_max_retries_one_means_no_retry_even_for_unresolvable(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.never-registered.v1", clock.now)])
     await outbox_source(container, container.outbox_deliverer(), clock, max_retries=1).run_cycle()
     assert (await state(container, row_id)).dead_letter_reason == "type_unresolvable"
 
 
-async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(container: Container) -> None:
+async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     first_id, second_id = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(2)])
     thief = uuid.uuid4()
@@ -191,7 +207,7 @@ async def test_the_lease_is_renewed_before_dispatch_and_a_lost_row_is_skipped(co
 
 
 async def test_a_lease_lost_after_delivery_is_counted_and_not_stamped(
-    container: Container, caplog: pytest.LogCaptureFixture
+    container: OutboxContainer, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Another replica re-claimed the row while this one published it: the stamp matches
     nothing, the row stays the new owner's (it may deliver again; consumers dedupe), and the
@@ -219,7 +235,7 @@ async def test_a_lease_lost_after_delivery_is_counted_and_not_stamped(
     assert any("lease lost after delivery" in r.getMessage() for r in caplog.records)
 
 
-async def take_over(container: Container, row_id: uuid.UUID, token: uuid.UUID) -> None:
+async def take_over(container: OutboxContainer, row_id: uuid.UUID, token: uuid.UUID) -> None:
     """What another replica's claim does to a row: its own token on it."""
     async with container.database().session() as session:
         await session.exec(  # type: ignore[call-overload]
@@ -232,7 +248,7 @@ async def take_over(container: Container, row_id: uuid.UUID, token: uuid.UUID) -
 async def test_a_claim_skips_rows_another_transaction_holds_instead_of_waiting(postgres_url: str) -> None:
     """``FOR UPDATE SKIP LOCKED``: while another transaction holds two rows (a replica mid-claim),
     a claim takes the other two at once instead of queueing behind the lock."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(4)])
@@ -269,7 +285,7 @@ def _remember_claim_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TableSource, "claim", claim)
 
 
-async def test_an_outcome_lands_after_an_expired_but_unclaimed_lease(container: Container) -> None:
+async def test_an_outcome_lands_after_an_expired_but_unclaimed_lease(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
 
@@ -281,7 +297,9 @@ async def test_an_outcome_lands_after_an_expired_but_unclaimed_lease(container: 
     assert (await state(container, row_id)).processed_on is not None
 
 
-async def test_a_keyed_row_waits_for_its_head_and_a_batch_holds_one_row_per_key(container: Container) -> None:
+async def test_a_keyed_row_waits_for_its_head_and_a_batch_holds_one_row_per_key(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     keyed = await insert_rows(container, [row("kit.k.v1", clock.now, key="order-1") for _ in range(4)])
     keyless = await insert_rows(container, [row("kit.free.v1", clock.now) for _ in range(3)])
@@ -290,7 +308,9 @@ async def test_a_keyed_row_waits_for_its_head_and_a_batch_holds_one_row_per_key(
     assert sorted(r.id for r in claimed) == sorted([keyed[0], *keyless, *other])
 
 
-async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(container: Container) -> None:
+async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     poison, *rest = await insert_rows(container, [row("kit.k.v1", clock.now, key="k") for _ in range(3)])
 
@@ -309,7 +329,9 @@ async def test_order_per_key_holds_and_a_dead_lettered_head_releases_the_key(con
     assert (await state(container, poison)).dead_letter_reason == "retries_exhausted"
 
 
-async def test_a_replayed_head_waits_while_a_later_row_of_its_key_is_in_flight(container: Container) -> None:
+async def test_a_replayed_head_waits_while_a_later_row_of_its_key_is_in_flight(
+    container: OutboxContainer,
+) -> None:
     """A dead-lettered head releases its key, so the next row of the key runs. Replaying the
     dead letter while that row is in flight must not put two rows of one key in flight at once
     (on two processors): the replayed row is claimed only once its key-mate has finished."""
@@ -341,7 +363,7 @@ async def test_a_replayed_head_waits_while_a_later_row_of_its_key_is_in_flight(c
     assert [claimed.id for claimed in await replica.claim(uuid.uuid4())] == [poison]
 
 
-async def test_a_hot_key_does_not_starve_unrelated_rows(container: Container) -> None:
+async def test_a_hot_key_does_not_starve_unrelated_rows(container: OutboxContainer) -> None:
     clock = FakeClock()
     await insert_rows(container, [row("kit.hot.v1", clock.now, key="hot") for _ in range(2000)])
     unrelated = set(
@@ -408,7 +430,7 @@ async def test_a_real_broker_outage_opens_the_circuit_and_charges_no_retry(
                 await bus.delete_topology()  # type: ignore[attr-defined]
 
 
-async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(container: Container) -> None:
+async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     reopen = clock.now + timedelta(seconds=30)
@@ -427,7 +449,7 @@ async def test_an_open_circuit_pauses_delivery_without_charging_a_retry(containe
     assert f"circuit open until {reopen.isoformat()}" in explained.detail
 
 
-async def test_a_database_outage_during_a_local_delivery_charges_no_retry(container: Container) -> None:
+async def test_a_database_outage_during_a_local_delivery_charges_no_retry(container: OutboxContainer) -> None:
     """The handlers' unit of work lost its connection (a failover): the row is released, not
     charged, and ``explain`` says why it is waiting."""
     clock = FakeClock()
@@ -444,7 +466,9 @@ async def test_a_database_outage_during_a_local_delivery_charges_no_retry(contai
     assert released.last_error.startswith("paused, not charged: database unreachable: DBAPIError")
 
 
-async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(container: Container) -> None:
+async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
     second_started = asyncio.Event()
@@ -475,7 +499,7 @@ async def test_shutdown_mid_batch_charges_nothing_and_writes_the_earned_outcome(
         assert (untouched.retry_count, untouched.last_error) == (0, None)
 
 
-async def test_a_delivery_in_flight_at_shutdown_finishes_and_is_stamped(container: Container) -> None:
+async def test_a_delivery_in_flight_at_shutdown_finishes_and_is_stamped(container: OutboxContainer) -> None:
     """A publish under way when the process is told to stop runs on (within the shutdown
     timeout) and its stamp is written: cancelled, the broker could hold a message whose row the
     next worker sends again. The row the cycle had not reached is released untouched."""
@@ -500,7 +524,7 @@ async def test_a_delivery_in_flight_at_shutdown_finishes_and_is_stamped(containe
     assert (unreached.processed_on, unreached.lock_token, unreached.retry_count) == (None, None, 0)
 
 
-async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Container) -> None:
+async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     source = outbox_source(container, ScriptedDeliverer(), clock)
@@ -521,7 +545,7 @@ async def test_an_outcome_interrupted_by_shutdown_is_still_written(container: Co
     assert (await state(container, row_id)).processed_on is not None
 
 
-async def test_shutdown_writes_and_release_share_one_deadline(container: Container) -> None:
+async def test_shutdown_writes_and_release_share_one_deadline(container: OutboxContainer) -> None:
     """The in-flight outcome write and the release of the rest finish within one shutdown
     timeout in all (not one each), so the worker's wait covers the whole cycle."""
     clock = FakeClock()
@@ -553,7 +577,7 @@ async def test_shutdown_writes_and_release_share_one_deadline(container: Contain
     assert not source.outcomes.stamps.flushing  # the stalled stamp did not outlive the cycle
 
 
-async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container: Container) -> None:
+async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container: OutboxContainer) -> None:
     """One row's outcome cannot be written (the database refused it); the cycle still waits for
     the row delivered beside it, writes that one's stamp, and only then reports the error."""
     clock = FakeClock()
@@ -580,7 +604,9 @@ async def test_a_database_error_on_one_row_lets_its_batch_mates_finish(container
     assert (await state(container, broken)).processed_on is None
 
 
-async def test_a_row_that_became_due_after_the_claim_looked_is_due_at_once(container: Container) -> None:
+async def test_a_row_that_became_due_after_the_claim_looked_is_due_at_once(
+    container: OutboxContainer,
+) -> None:
     """A lease or a delay that runs out while a slow cycle delivers was not seen by its claim:
     the loop must poll again at once, not sleep its fallback interval (seen in CI: 30 s)."""
     clock = FakeClock()
@@ -603,7 +629,7 @@ async def test_a_row_that_became_due_after_the_claim_looked_is_due_at_once(conta
     assert (await state(container, delayed)).processed_on is not None
 
 
-async def test_a_row_the_claim_saw_and_left_does_not_make_the_loop_spin(container: Container) -> None:
+async def test_a_row_the_claim_saw_and_left_does_not_make_the_loop_spin(container: OutboxContainer) -> None:
     """A key whose head is leased elsewhere blocks its follower: the follower, due long ago, must
     not make the loop poll again at once; the head's lease end is the next moment."""
     clock = FakeClock()
@@ -621,7 +647,7 @@ async def test_a_row_the_claim_saw_and_left_does_not_make_the_loop_spin(containe
     assert await source.next_due() == lease_end
 
 
-async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: Container) -> None:
+async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: OutboxContainer) -> None:
     (row_id,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
     attempts: list[float] = []
 
@@ -636,7 +662,7 @@ async def test_smart_wait_runs_a_retry_on_time_not_one_interval_late(container: 
     task = asyncio.create_task(loop.run())
     try:
         deadline = time.monotonic() + 10
-        while len(attempts) < 2 and time.monotonic() < deadline:  # noqa: ASYNC110 (polls a list)
+        while len(attempts) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
     finally:
         task.cancel()
@@ -661,7 +687,9 @@ async def run_loop_until(loop: Processor, cycles: int, timeout: float = 20.0) ->
             await task  # let it return its connection before the test ends
 
 
-async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytest.LogCaptureFixture) -> None:
+async def test_idle_polls_write_no_log_lines(
+    container: OutboxContainer, caplog: pytest.LogCaptureFixture
+) -> None:
     """A quiet service polls every interval forever: those polls must not fill the logs (or the
     traces, see test_tracing), not even at DEBUG; only a cycle with work says anything."""
     source = outbox_source(container, ScriptedDeliverer())
@@ -671,7 +699,7 @@ async def test_idle_polls_write_no_log_lines(container: Container, caplog: pytes
     assert [r.getMessage() for r in caplog.records] == []
 
 
-async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container) -> None:
+async def test_a_batch_that_fails_in_full_does_not_re_poll(container: OutboxContainer) -> None:
     """Five eligible rows, batches of two, every delivery failing: one cycle, then the loop
     waits (a minute here) instead of sweeping on and charging every row a retry."""
     ids = await insert_rows(container, [row("kit.a.v1", container.clock()()) for _ in range(5)])
@@ -690,7 +718,7 @@ async def test_a_batch_that_fails_in_full_does_not_re_poll(container: Container)
     assert sorted(charged) == [0, 0, 0, 1, 1]
 
 
-async def test_a_cycle_that_delivered_re_polls_at_once(container: Container) -> None:
+async def test_a_cycle_that_delivered_re_polls_at_once(container: OutboxContainer) -> None:
     """A full batch, and a delivered keyed row whose key-mates wait, both re-poll without waiting
     for the fallback interval (a minute here): one key of five rows and three keyless rows
     drain in a few quick cycles."""
@@ -718,7 +746,7 @@ async def test_a_cycle_that_delivered_re_polls_at_once(container: Container) -> 
 
 
 async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(
-    container: Container, caplog: pytest.LogCaptureFixture
+    container: OutboxContainer, caplog: pytest.LogCaptureFixture
 ) -> None:
     kit = await install_kit(container)
     clock = FakeClock()
@@ -733,7 +761,7 @@ async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(
     del kit
 
 
-async def test_the_processor_delivers_local_events_under_the_rows_context(container: Container) -> None:
+async def test_the_processor_delivers_local_events_under_the_rows_context(container: OutboxContainer) -> None:
     kit = await install_kit(container)
     seen: list[tuple[str | None, str | None, str | None]] = []
 
@@ -768,8 +796,8 @@ async def test_a_bookkeeping_transaction_left_idle_is_ended_and_frees_its_rows(p
     """A process frozen inside a claim or stamp transaction (a paused VM) holds its rows' locks;
     the server ends such a transaction after ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``, so
     another worker can take the rows once their lease is over."""
-    frozen = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 0.5}))
-    other = build_container(make_settings(postgres_url))
+    frozen = kit_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 0.5}))
+    other = kit_container(make_settings(postgres_url))
     try:
         (row_id,) = await insert_rows(frozen, [row("kit.a.v1", FakeClock().now)])
         locked = sa.select(OUTBOX_TABLE.c.id).where(OUTBOX_TABLE.c.id == row_id).with_for_update(nowait=True)

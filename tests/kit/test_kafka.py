@@ -16,12 +16,11 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from outbox_kit.testing.fixtures import SERVICE_URLS, eventually
+from outbox_kit.testing.harness import CounterChangedV1
 from outbox_kit.transports.kafka import KafkaTransport
-
-from ..conftest import SERVICE_URLS, eventually
-from ..kit import CounterChangedV1
-from .test_brokers import CONSUMER, Start, effects_become, effects_of, envelope
-from .test_brokers import start as start  # the fixture  # noqa: PLC0414
+from test_brokers import CONSUMER, Start, effects_become, effects_of, envelope
+from test_brokers import start as start  # the fixture  # noqa: PLC0414
 
 pytestmark = [pytest.mark.integration, pytest.mark.kafka]
 KAFKA = SERVICE_URLS["kafka"]

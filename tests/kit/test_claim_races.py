@@ -37,19 +37,22 @@ from outbox_kit.persistence.tables import (
 from outbox_kit.processor.claim import (
     ClaimedRow,
 )
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import kit_container, make_settings
+from outbox_kit.testing.harness import (
+    FakeClock,
+    ScriptedDeliverer,
+    insert_rows,
+    outbox_source,
+    polled_source,
+    row,
+    state,
+)
 from outbox_kit.transports.bus import (
     Delivered,
 )
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import FakeClock, make_settings
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, polled_source, row, state
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +72,8 @@ def hold_trigger(table: sa.Table) -> str:
 
 
 @pytest.fixture
-async def pg_container(postgres_url: str) -> AsyncIterator[Container]:
-    container = build_container(make_settings(postgres_url))
+async def pg_container(postgres_url: str) -> AsyncIterator[OutboxContainer]:
+    container = kit_container(make_settings(postgres_url))
     yield container
     await container.database().dispose()
 
@@ -111,7 +114,7 @@ async def settled(task: asyncio.Future[Any], connection: AsyncConnection, waiter
 
 
 async def leased_rows_of_key(
-    container: Container, table: sa.Table, key: str, now: datetime
+    container: OutboxContainer, table: sa.Table, key: str, now: datetime
 ) -> list[uuid.UUID]:
     t = table.c
     statement = sa.select(t.id).where(
@@ -126,7 +129,7 @@ async def leased_rows_of_key(
 
 
 async def a_dead_head_and_its_successor(
-    container: Container, table: sa.Table, now: datetime
+    container: OutboxContainer, table: sa.Table, now: datetime
 ) -> list[uuid.UUID]:
     """Two rows of key k; the first one dead-lettered, so the second is the key's head."""
     rows = [row("kit.k.v1", now, key="k") for _ in range(2)]
@@ -148,7 +151,7 @@ async def a_dead_head_and_its_successor(
 @pytest.mark.postgres
 @pytest.mark.parametrize("table", TABLES, ids=lambda table: table.name)
 async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_in_flight(
-    pg_container: Container, control: AsyncConnection, table: sa.Table
+    pg_container: OutboxContainer, control: AsyncConnection, table: sa.Table
 ) -> None:
     """Replica A's claim takes its snapshot while seq 1 of key k is a dead letter, so seq 2 is
     the key's head. Before A commits, an operator replays seq 1, and replica B claims: in B's
@@ -181,7 +184,7 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
 @pytest.mark.postgres
 @pytest.mark.slow
 async def test_replays_racing_three_claimers_never_put_two_rows_of_a_key_in_flight(
-    pg_container: Container,
+    pg_container: OutboxContainer,
 ) -> None:
     """No forced interleaving: three processors drain four keys (each on its own connections)
     while an operator keeps replaying what they dead-letter. No key may ever have two rows in a
@@ -246,7 +249,7 @@ async def test_a_replay_whose_process_froze_holds_the_relay_only_for_the_idle_ti
 ) -> None:
     """A replay transaction left open (its process frozen after it took the gate) ends after
     ``DATABASE__BOOKKEEPING_IDLE_TIMEOUT_SECONDS``; the claims that waited for it then go on."""
-    container = build_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 1}))
+    container = kit_container(make_settings(postgres_url, database={"bookkeeping_idle_timeout_seconds": 1}))
     try:
         clock = FakeClock()
         dead, _ = await a_dead_head_and_its_successor(container, OUTBOX_TABLE, clock.now)
@@ -279,7 +282,9 @@ def stop_after_commit(source: Any, cycle: Callable[[], asyncio.Task[Any]]) -> No
     source.claim = claim_then_stop
 
 
-async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(container: Container) -> None:
+async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(10)])
     deliverer = ScriptedDeliverer()
@@ -293,7 +298,7 @@ async def test_a_stop_right_after_the_claim_committed_gives_the_batch_back(conta
     await given_back(container, ids, clock)
 
 
-async def given_back(container: Container, ids: list[uuid.UUID], clock: FakeClock) -> None:
+async def given_back(container: OutboxContainer, ids: list[uuid.UUID], clock: FakeClock) -> None:
     """The rows are free, uncharged, and claimable again at once (not after the lease)."""
     for row_id in ids:
         current = await state(container, row_id)
@@ -304,7 +309,7 @@ async def given_back(container: Container, ids: list[uuid.UUID], clock: FakeCloc
 
 
 async def test_a_claim_whose_commit_lands_after_the_stop_cancelled_it_is_given_back(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """A claim that has not answered within half the deadline is cancelled, but its COMMIT may
     already be with the server and land afterwards. A release that did not wait for the
@@ -346,7 +351,7 @@ async def test_a_claim_whose_commit_lands_after_the_stop_cancelled_it_is_given_b
 
 
 async def test_a_stop_during_a_claim_that_hangs_ends_within_the_shutdown_timeout(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """The claim is let finish only within the shutdown deadline (a database that stopped
     answering must not hold the process): the cycle ends, and the rows wait out their lease."""

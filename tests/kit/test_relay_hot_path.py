@@ -26,13 +26,11 @@ from outbox_kit.persistence.tables import OUTBOX_TABLE, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import CycleResult, Processor
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import kit_container, make_settings
+from outbox_kit.testing.harness import FakeClock, ScriptedDeliverer, insert_rows, outbox_source, row, state
 from outbox_kit.transports.bus import Delivered
 from sqlalchemy.ext.asyncio import AsyncConnection
-
-from {{ cookiecutter.package_name }}.container import Container, build_container
-
-from ..conftest import FakeClock, make_settings
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
 
 
 async def claim_all(source: TableSource) -> tuple[list[ClaimedRow], uuid.UUID]:
@@ -40,7 +38,7 @@ async def claim_all(source: TableSource) -> tuple[list[ClaimedRow], uuid.UUID]:
     return await source.claim(token), token
 
 
-async def take_over(container: Container, row_id: uuid.UUID) -> None:
+async def take_over(container: OutboxContainer, row_id: uuid.UUID) -> None:
     async with container.database().session() as session:
         await session.exec(  # type: ignore[call-overload]
             OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == row_id).values(lock_token=uuid.uuid4())
@@ -49,7 +47,7 @@ async def take_over(container: Container, row_id: uuid.UUID) -> None:
 
 
 async def test_a_publish_renews_only_when_its_lease_might_not_outlast_its_time_limit(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """A 60 s lease and a 20 s delivery time limit with its 12 s margin: renewed below 32 s."""
     clock = FakeClock()
@@ -74,7 +72,7 @@ async def test_a_publish_renews_only_when_its_lease_might_not_outlast_its_time_l
     assert [r.id for r in deliverer.delivered] == [young_id, old_id]  # the lost one never published
 
 
-async def test_handler_rows_always_get_a_whole_lease_first(container: Container) -> None:
+async def test_handler_rows_always_get_a_whole_lease_first(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     seen: list[Any] = []
@@ -92,7 +90,7 @@ async def test_handler_rows_always_get_a_whole_lease_first(container: Container)
 
 
 async def test_stamps_finishing_together_share_one_statement_and_each_learns_its_own(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(6)])
@@ -111,7 +109,7 @@ async def test_stamps_finishing_together_share_one_statement_and_each_learns_its
 
 
 async def test_a_failed_group_fails_every_stamp_in_it(
-    container: Container, monkeypatch: pytest.MonkeyPatch
+    container: OutboxContainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(3)])
@@ -145,7 +143,7 @@ def dropped_connection() -> sa.exc.DBAPIError:
 
 @pytest.mark.parametrize("written", [False, True], ids=["lost", "written-but-unanswered"])
 async def test_a_group_whose_connection_dropped_is_written_on_a_fresh_one(
-    container: Container, monkeypatch: pytest.MonkeyPatch, written: bool
+    container: OutboxContainer, monkeypatch: pytest.MonkeyPatch, written: bool
 ) -> None:
     """A terminated connection (a failover, ``pg_terminate_backend``) does not leave a group of
     confirmed rows to be published again: the flush is tried again, and a row the dropped
@@ -173,7 +171,7 @@ async def test_a_group_whose_connection_dropped_is_written_on_a_fresh_one(
 
 
 async def test_a_group_the_database_keeps_refusing_fails_after_its_retries(
-    container: Container, monkeypatch: pytest.MonkeyPatch
+    container: OutboxContainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
     ids = await insert_rows(container, [row("kit.a.v1", clock.now)])
@@ -215,7 +213,7 @@ async def test_an_empty_table_waits_the_idle_interval_only_while_the_wake_is_rel
 async def test_the_claim_plan_uses_indexes_not_a_scan_of_the_outbox(postgres_url: str) -> None:
     """With enough rows that a scan would be the wrong plan, the claim must find its rows
     through indexes: a migration that drops or changes them shows here, not in production."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
@@ -236,7 +234,7 @@ async def test_the_release_of_an_interrupted_claim_uses_an_index_not_a_scan_of_t
     """A stop during the claim gives the batch back by its token within half the shutdown
     deadline: on a table with a long processed history a scan would not finish in time, and the
     batch would stay leased for a whole lease."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         clock = FakeClock()
         await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(50)])
@@ -254,7 +252,7 @@ async def test_the_release_of_an_interrupted_claim_uses_an_index_not_a_scan_of_t
         await container.database().dispose()
 
 
-async def processed_history(container: Container) -> None:
+async def processed_history(container: OutboxContainer) -> None:
     """20,000 processed rows, analyzed: enough that a scan of the table is never the cheap plan."""
     async with container.database().bookkeeping() as connection:
         await connection.execute(
@@ -270,7 +268,7 @@ async def processed_history(container: Container) -> None:
 
 
 async def explained_statement(
-    container: Container, run: Callable[[AsyncConnection], Awaitable[Iterable[Any]]]
+    container: OutboxContainer, run: Callable[[AsyncConnection], Awaitable[Iterable[Any]]]
 ) -> list[str]:
     """The plan of whatever ``run`` executes on a bookkeeping connection (``EXPLAIN`` is put in
     front of it on its way to the driver: planned, never run); ``run`` returns its rows."""
@@ -288,7 +286,7 @@ async def explained_statement(
         sa.event.remove(engine, "before_cursor_execute", explain)
 
 
-async def explained(container: Container, source: TableSource) -> str:
+async def explained(container: OutboxContainer, source: TableSource) -> str:
     """The plan of the real claim statement with its real parameters."""
     clock = FakeClock()
     params = {"now": clock.now, "lease_until": clock.now, "token": uuid.uuid4(), "locked_by": "plan"}

@@ -26,6 +26,7 @@ from outbox_kit.persistence.database import (
     Database,
     HandlerMustNotSaveError,
 )
+from outbox_kit.persistence.settings import DatabaseSettings
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InternalCommandRow,
@@ -38,19 +39,16 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
-from sqlalchemy.exc import OperationalError
-from sqlmodel import select
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
 )
-from {{ cookiecutter.package_name }}.settings import (
-    DatabaseSettings,
-)
-
-from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import (
+from outbox_kit.testing.harness import (
     COUNTERS,
     Counter,
     CounterChangedV1,
@@ -62,16 +60,18 @@ from ..kit import (
     install_kit,
     record_effect,
 )
+from sqlalchemy.exc import OperationalError
+from sqlmodel import select
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-async def kit(container: Container) -> Kit:
+async def kit(container: OutboxContainer) -> Kit:
     return await install_kit(container)
 
 
-async def outbox(container: Container) -> list[Any]:
+async def outbox(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
 
 
@@ -345,7 +345,7 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
 async def test_a_real_postgresql_deadlock_is_retried_with_one_row_per_event(postgres_url: str) -> None:
     """Two operations lock two rows in opposite orders: PostgreSQL kills one (40P01), ``run``
     re-runs it on a fresh session, and each operation's event is written exactly once."""
-    container = build_container(make_settings(postgres_url))
+    container = kit_container(make_settings(postgres_url))
     try:
         kit = await install_kit(container)
         first, second = await place(kit), await place(kit)

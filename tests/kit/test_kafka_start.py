@@ -10,12 +10,11 @@ import asyncio
 from typing import Any
 
 import pytest
+from outbox_kit.testing.fixtures import make_settings
+from outbox_kit.testing.harness import CounterChangedV1, install_kit
 from outbox_kit.transports.kafka import (
     KafkaTransport,
 )
-
-from ..conftest import make_settings
-from ..kit import CounterChangedV1, install_kit
 
 pytestmark = pytest.mark.unit
 
@@ -23,11 +22,9 @@ pytestmark = pytest.mark.unit
 async def test_every_subscriber_is_starting_before_any_has_finished(
     sqlite_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from {{ cookiecutter.package_name }}.container import (
-        build_container,
-    )
+    from outbox_kit.testing.fixtures import kit_container
 
-    container = build_container(
+    container = kit_container(
         make_settings(sqlite_url, message_bus={"transport": "kafka", "url": "127.0.0.1:1"})
     )
     await install_kit(container)

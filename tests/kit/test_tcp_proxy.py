@@ -7,8 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
-from ..tcp_proxy import tcp_proxy
+from outbox_kit.testing.harness import tcp_proxy
 
 pytestmark = pytest.mark.unit
 

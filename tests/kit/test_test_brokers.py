@@ -33,6 +33,9 @@ from outbox_kit.application.messages import (
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import acting_as, kit_container, make_settings
+from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
 from outbox_kit.transports.base import undecoded_body
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.kafka import (
@@ -46,14 +49,6 @@ from outbox_kit.transports.settings import (
     EndpointNames,
 )
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import acting_as, make_settings
-from ..kit import CounterChangedV1, effects, install_kit, record_effect
-
 pytestmark = pytest.mark.unit
 TEST_BROKERS: dict[str, Any] = {
     "rabbitmq": TestRabbitBroker,
@@ -63,7 +58,7 @@ TEST_BROKERS: dict[str, Any] = {
 }
 
 
-def capture_dead_letters(container: Container, transport: str) -> list[dict[str, str]]:
+def capture_dead_letters(container: OutboxContainer, transport: str) -> list[dict[str, str]]:
     """Subscribe to the consumer's dead-letter destination (test brokers need a subscriber)."""
     bus = container.bus()
     names, broker, captured = bus.names, bus.broker, []  # type: ignore[attr-defined]
@@ -115,8 +110,8 @@ class Observer:
 @asynccontextmanager
 async def in_memory(
     transport: str, sqlite_url: str, failures: int = 0, **sections: dict[str, Any]
-) -> AsyncIterator[tuple[Container, Observer]]:
-    container = build_container(
+) -> AsyncIterator[tuple[OutboxContainer, Observer]]:
+    container = kit_container(
         make_settings(
             sqlite_url,
             message_bus={
@@ -148,7 +143,7 @@ def envelope(value: int, message_id: str | None = None) -> Envelope:
     )
 
 
-async def consumed(container: Container) -> list[str]:
+async def consumed(container: OutboxContainer) -> list[str]:
     async with container.database().session() as session:
         return await effects(session)
 

@@ -104,10 +104,7 @@ def test_upcaster_cycles_duplicates_and_dead_ends_are_refused() -> None:
 def test_the_container_refuses_inconsistent_modules_at_start_up() -> None:
     """``build_registry`` is what start-up runs: it validates after every module registered."""
     from outbox_kit.application.handlers import Module, UpcasterSpec
-
-    from {{ cookiecutter.package_name }}.container import (
-        build_registry,
-    )
+    from outbox_kit.runtime.container import build_registry
 
     looping = Module(
         name="catalog",

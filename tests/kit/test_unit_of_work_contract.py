@@ -22,15 +22,10 @@ import sqlalchemy as sa
 from outbox_kit.domain import ConcurrencyError, NotFoundError
 from outbox_kit.persistence.tables import COMMAND_TABLE, INTEGRATION, OUTBOX_TABLE
 from outbox_kit.public import TransactionalUnitOfWork
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-from ..conftest import acting_as, fetch, make_settings
-from ..kit import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
+from outbox_kit.testing.fixtures import acting_as, fetch, kit_container, make_settings
+from outbox_kit.testing.harness import Counter, CounterChangedV1, Counters, RecordEffect, install_kit
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +60,7 @@ def in_memory() -> Harness:
     return Harness(open_one, published, scheduled)
 
 
-async def on_sql(container: Container) -> Harness:
+async def on_sql(container: OutboxContainer) -> Harness:
     await install_kit(container)
     outbox, commands = OUTBOX_TABLE.c, COMMAND_TABLE.c
 
@@ -85,7 +80,7 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     if request.param == "in-memory":
         yield in_memory()
         return
-    container = build_container(make_settings(request.getfixturevalue(f"{request.param}_url")))
+    container = kit_container(make_settings(request.getfixturevalue(f"{request.param}_url")))
     try:
         yield await on_sql(container)
     finally:

@@ -7,15 +7,17 @@ import pytest
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
-from sqlalchemy.exc import DBAPIError
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.harness import (
+    CounterChangedV1,
+    FakeClock,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
+    state,
 )
-
-from ..conftest import FakeClock
-from ..kit import CounterChangedV1, install_kit
-from .processor_kit import insert_rows, outbox_source, row, state
+from sqlalchemy.exc import DBAPIError
 
 pytestmark = pytest.mark.integration
 PAYLOAD = {"counter_id": "c-1", "value": 1}
@@ -40,7 +42,7 @@ async def fails_on_its_own(event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
     ids=["one consumer", "a failure before the outage"],
 )
 async def test_a_database_outage_in_an_in_process_consumer_charges_no_retry(
-    container: Container, consumers: list[object]
+    container: OutboxContainer, consumers: list[object]
 ) -> None:
     await install_kit(container)
     for number, consumer in enumerate(consumers):
@@ -53,7 +55,7 @@ async def test_a_database_outage_in_an_in_process_consumer_charges_no_retry(
     assert released.last_error.startswith("paused, not charged: database unreachable: ConsumerFailedError")
 
 
-async def test_a_genuine_in_process_consumer_failure_is_still_charged(container: Container) -> None:
+async def test_a_genuine_in_process_consumer_failure_is_still_charged(container: OutboxContainer) -> None:
     await install_kit(container)
     container.handlers().consume("kit.consumer", CounterChangedV1, fails_on_its_own)
     clock = FakeClock()

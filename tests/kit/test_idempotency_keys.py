@@ -26,13 +26,9 @@ from outbox_kit.persistence.idempotency import (
 from outbox_kit.persistence.tables import (
     IDEMPOTENCY_KEYS_TABLE,
 )
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import ContainerFactory, acting_as, fetch
-from ..kit import COUNTERS, Counter, Counters, install_kit
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch
+from outbox_kit.testing.harness import COUNTERS, Counter, Counters, install_kit
 
 pytestmark = pytest.mark.integration
 KEY = IdempotencyKey("k-1", "POST /counters")
@@ -52,7 +48,7 @@ async def create_then_die(uow: UnitOfWork) -> Counter:
 
 
 def once(
-    container: Container,
+    container: OutboxContainer,
     operation: Callable[[UnitOfWork], Awaitable[Counter]],
     request: object = None,
     key: IdempotencyKey | None = KEY,
@@ -67,15 +63,15 @@ def once(
     )
 
 
-async def counters(container: Container) -> list[Any]:
+async def counters(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(COUNTERS.c.id, COUNTERS.c.tenant_id))
 
 
-async def keys(container: Container) -> list[Any]:
+async def keys(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(IDEMPOTENCY_KEYS_TABLE))
 
 
-async def test_a_failed_command_records_no_key_so_its_retry_runs(container: Container) -> None:
+async def test_a_failed_command_records_no_key_so_its_retry_runs(container: OutboxContainer) -> None:
     """The key row is written in the command's transaction: when the command fails after the
     key was taken, both roll back (no key without its effect, no effect without its key), and
     the retry with the same key runs the command; after that the key answers without running."""
@@ -94,7 +90,7 @@ async def test_a_failed_command_records_no_key_so_its_retry_runs(container: Cont
 
 
 async def test_another_request_under_a_key_is_refused_and_tenants_do_not_share_keys(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     await install_kit(container)
     with acting_as(tenant="acme"):
@@ -111,7 +107,7 @@ async def test_another_request_under_a_key_is_refused_and_tenants_do_not_share_k
     assert len(await counters(container)) == 2
 
 
-async def test_concurrent_runs_with_one_key_create_one_thing(container: Container) -> None:
+async def test_concurrent_runs_with_one_key_create_one_thing(container: OutboxContainer) -> None:
     await install_kit(container)
     with acting_as():
         answers = await asyncio.gather(*(once(container, create) for _ in range(CONCURRENT)))
@@ -120,7 +116,7 @@ async def test_concurrent_runs_with_one_key_create_one_thing(container: Containe
     assert [c.id for c in await counters(container)] == [json.loads(answers[0].body)["id"]]
 
 
-async def test_without_a_key_every_run_creates(container: Container) -> None:
+async def test_without_a_key_every_run_creates(container: OutboxContainer) -> None:
     await install_kit(container)
     with acting_as():
         answers = [await once(container, create, key=None) for _ in range(2)]

@@ -17,15 +17,10 @@ from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
 from outbox_kit.processor.claim import ClaimedRow
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.harness import FakeClock, ScriptedDeliverer, insert_rows, outbox_source, row, state
 from outbox_kit.transports.bus import Delivered
 from sqlalchemy.exc import DataError
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import FakeClock
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row, state
 
 pytestmark = pytest.mark.integration
 
@@ -40,7 +35,7 @@ def raising(error: BaseException) -> ScriptedDeliverer:
 
 @pytest.mark.parametrize("text", ["a NUL \x00 in the message", "a lone \ud800 surrogate"])
 async def test_a_failure_whose_text_cannot_be_stored_is_recorded_cleaned_and_charged(
-    container: Container, text: str
+    container: OutboxContainer, text: str
 ) -> None:
     """PostgreSQL refuses NUL in text and no driver encodes a lone surrogate: stored as they
     come, the outcome write itself fails and the row loops uncharged. The text is cleaned
@@ -62,7 +57,7 @@ class Unprintable(Exception):  # noqa: N818 (named for what it does to a log lin
         raise RuntimeError(msg)
 
 
-async def test_a_failure_that_cannot_even_be_described_is_charged(container: Container) -> None:
+async def test_a_failure_that_cannot_even_be_described_is_charged(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     await outbox_source(container, raising(Unprintable()), clock).run_cycle()
@@ -72,7 +67,7 @@ async def test_a_failure_that_cannot_even_be_described_is_charged(container: Con
 
 
 async def test_an_outcome_write_the_database_refuses_is_recorded_with_a_plain_reason(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """The failure write is refused for a reason other than an outage (here: the database said
     the value is invalid). Looping would retry the row uncharged forever; instead a plain
@@ -97,7 +92,9 @@ async def test_an_outcome_write_the_database_refuses_is_recorded_with_a_plain_re
     assert failed.last_error.startswith("ValueError (the failure's text could not be recorded: DataError")
 
 
-async def test_a_replayed_row_gets_its_one_retry_for_an_unresolvable_name_again(container: Container) -> None:
+async def test_a_replayed_row_gets_its_one_retry_for_an_unresolvable_name_again(
+    container: OutboxContainer,
+) -> None:
     """The first miss is transient (a module still loading in a rolling deploy); replay keeps
     ``last_error``, and a miss from before the replay must not make the next one terminal."""
     clock = FakeClock()
@@ -117,7 +114,7 @@ async def test_a_replayed_row_gets_its_one_retry_for_an_unresolvable_name_again(
     assert (await state(container, row_id)).dead_letter_reason == "type_unresolvable"
 
 
-async def test_a_stamp_that_finds_its_lease_lost_is_not_progress(container: Container) -> None:
+async def test_a_stamp_that_finds_its_lease_lost_is_not_progress(container: OutboxContainer) -> None:
     """The only row of the cycle was published, but another replica owns it now: this cycle
     completed nothing, so it must not make the loop re-poll at once."""
     clock = FakeClock()
@@ -133,7 +130,7 @@ async def test_a_stamp_that_finds_its_lease_lost_is_not_progress(container: Cont
     assert (await state(container, row_id)).processed_on is None
 
 
-async def take_over(container: Container, row_id: uuid.UUID) -> None:
+async def take_over(container: OutboxContainer, row_id: uuid.UUID) -> None:
     async with container.database().session() as session:
         await session.exec(  # type: ignore[call-overload]
             OUTBOX_TABLE.update().where(OUTBOX_TABLE.c.id == row_id).values(lock_token=uuid.uuid4())
@@ -142,7 +139,7 @@ async def take_over(container: Container, row_id: uuid.UUID) -> None:
 
 
 async def test_unreached_rows_are_released_even_when_an_outcome_write_uses_the_whole_deadline(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """Shutdown while one row's stamp hangs (its write waits on a lock, say): the rows the
     cycle never reached are released at once, not after the hanging write used up the

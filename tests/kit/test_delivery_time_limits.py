@@ -22,24 +22,29 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.processor.claim import ClaimedRow
-from outbox_kit.transports.bus import Delivered
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
 )
-
-from ..conftest import ContainerFactory, acting_as, eventually, fetch, make_settings
-from ..kit import (
+from outbox_kit.testing.harness import (
     Counter,
     CounterChangedV1,
     Counters,
     Noted,
     RecordEffect,
+    ScriptedDeliverer,
+    insert_rows,
     install_kit,
+    outbox_source,
     record_effect,
+    row,
 )
-from .processor_kit import ScriptedDeliverer, insert_rows, outbox_source, row
+from outbox_kit.transports.bus import Delivered
 
 pytestmark = pytest.mark.integration
 HANG = "hang"
@@ -62,7 +67,7 @@ class HangsOnce:
         await record_effect(uow, f"noted:{event.text}")
 
 
-async def note(container: Container, *texts: str) -> None:
+async def note(container: OutboxContainer, *texts: str) -> None:
     with acting_as():
         async with container.units_of_work()() as uow:
             counter = Counter.create("acme")
@@ -72,7 +77,7 @@ async def note(container: Container, *texts: str) -> None:
             await uow.commit()
 
 
-async def noted_rows(container: Container) -> dict[str, Any]:
+async def noted_rows(container: OutboxContainer) -> dict[str, Any]:
     rows = await fetch(container, sa.select(OUTBOX_TABLE).where(OUTBOX_TABLE.c.event_name == "kit.noted.v1"))
     return {r.payload["text"]: r for r in rows}
 
@@ -165,8 +170,8 @@ async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
         await asyncio.wait_for(container.worker().stop(), 30)
 
 
-async def _effects(container: Container) -> list[str]:
-    from ..kit import effects
+async def _effects(container: OutboxContainer) -> list[str]:
+    from outbox_kit.testing.harness import effects
 
     async with container.database().session() as session:
         return await effects(session)
@@ -197,14 +202,14 @@ async def test_a_slow_publish_never_overlaps_another_replicas_copy_of_its_row(po
     not end while that publish is in flight, or replica B claims the row and publishes it too."""
     lease = {"lease_seconds": 6, "delivery_timeout_seconds": 4}
     publish = {"publish_timeout_seconds": 3.95}  # below the delivery's limit, above the 3.9 s publish
-    container = build_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
+    container = kit_container(make_settings(postgres_url, outbox=lease, message_bus=publish))
     try:
         await _two_replicas_publish(container)
     finally:
         await container.database().dispose()
 
 
-async def _two_replicas_publish(container: Container) -> None:
+async def _two_replicas_publish(container: OutboxContainer) -> None:
     now = container.clock()()
     ids = await insert_rows(
         container,
@@ -323,14 +328,14 @@ class HangsOnOne:
         await record_effect(uow, f"{self.name}:{event.counter_id}")
 
 
-async def change(container: Container, counter_id: str) -> None:
+async def change(container: OutboxContainer, counter_id: str) -> None:
     with acting_as():
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id=counter_id, value=1))
             await uow.commit()
 
 
-def consumers(container: Container) -> HangsOnOne:
+def consumers(container: OutboxContainer) -> HangsOnOne:
     """A consumer that hangs on ``hung``, registered before one that never does."""
     hanging = HangsOnOne("hanging", hangs_on="hung")
     container.handlers().consume("hanging", CounterChangedV1, hanging)

@@ -28,23 +28,33 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.processor.claim import (
     Claimer,
 )
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.settings import ServiceSettings
+from outbox_kit.testing.fixtures import (
+    ContainerFactory,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
 )
-from {{ cookiecutter.package_name }}.settings import (
-    Settings,
+from outbox_kit.testing.harness import (
+    Counter,
+    Counters,
+    Created,
+    FakeClock,
+    Kit,
+    Noted,
+    insert_rows,
+    install_kit,
+    outbox_source,
+    row,
 )
-
-from ..conftest import ContainerFactory, FakeClock, acting_as, eventually, fetch, make_settings
-from ..kit import Counter, Counters, Created, Kit, Noted, install_kit
-from .processor_kit import insert_rows, outbox_source, row
 
 pytestmark = pytest.mark.integration
 
 
-async def outbox(container: Container) -> list[Any]:
+async def outbox(container: OutboxContainer) -> list[Any]:
     return await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
 
 
@@ -160,8 +170,8 @@ async def test_a_row_released_in_process_wakes_a_worker_in_another_process(postg
 
 
 @contextlib.asynccontextmanager
-async def containers(*settings: Settings) -> AsyncIterator[list[Container]]:
-    built = [build_container(each) for each in settings]
+async def containers(*settings: ServiceSettings) -> AsyncIterator[list[OutboxContainer]]:
+    built = [kit_container(each) for each in settings]
     try:
         yield built
     finally:
@@ -170,7 +180,7 @@ async def containers(*settings: Settings) -> AsyncIterator[list[Container]]:
 
 
 @contextlib.asynccontextmanager
-async def running_worker(container: Container) -> AsyncIterator[None]:
+async def running_worker(container: OutboxContainer) -> AsyncIterator[None]:
     worker = container.worker()
     await worker.start()
     listener = container.listener()
@@ -183,7 +193,7 @@ async def running_worker(container: Container) -> AsyncIterator[None]:
         await worker.stop()
 
 
-async def test_cascaded_rows_are_released_when_the_processor_shuts_down(container: Container) -> None:
+async def test_cascaded_rows_are_released_when_the_processor_shuts_down(container: OutboxContainer) -> None:
     """The processor delivers a row whose handler raises more events; their rows commit leased
     to this process under a token of their own, and the shutdown comes while one of their
     handlers runs. Those rows must be given back (uncharged), not left leased for the whole

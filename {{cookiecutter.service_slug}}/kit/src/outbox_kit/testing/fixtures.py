@@ -1,0 +1,371 @@
+"""The pytest fixtures and helpers every suite of a service shares, and the kit's own suite: a
+plugin, loaded before any ``conftest.py`` with ``-p outbox_kit.testing.fixtures`` in the suite's
+pytest ``addopts`` (so its helpers can be imported by a conftest; it needs pytest, which the kit
+does not install).
+
+Services. Tests that need PostgreSQL or a broker carry a marker (``postgres``, ``rabbitmq``,
+``kafka``, ``nats``, ``redis``). When the service does not answer, they are skipped with the
+reason, or fail when ``REQUIRE_SERVICES=1`` (CI). Addresses come from ``TEST_POSTGRES_URL``,
+``TEST_RABBITMQ_URL``, ``TEST_KAFKA_URL`` (``host:port``, as ``MESSAGE_BUS__URL`` takes it),
+``TEST_NATS_URL`` and ``TEST_REDIS_URL``.
+
+Isolation. Every test gets its own database: a copy of a prepared SQLite file, or a fresh
+PostgreSQL database per test session whose tables are emptied before each test. Broker names
+get a namespace unique to the test, so runs never see each other's messages.
+
+Hermeticity. Settings are built explicitly; the environment's settings variables and ``.env``
+are ignored, so a developer's local configuration cannot change a test's outcome.
+
+What a suite adapts, by overriding a fixture in its ``conftest.py``: ``migrate_database`` (how a
+fresh database gets its tables: the kit's models here, a service's migrations there) and
+``container_builder`` (the kit's container with no contexts here, a service's
+``build_container`` there)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar, cast
+from urllib.parse import urlparse
+
+import pytest
+import sqlalchemy as sa
+from dependency_injector import providers
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlmodel import SQLModel
+
+import outbox_kit.persistence.tables  # noqa: F401  (the kit's tables, in SQLModel's metadata)
+from outbox_kit.application.context import (
+    RequestContext,
+    use_context,
+)
+from outbox_kit.processor.settings import LEASE_MARGIN_FRACTION
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.settings import ServiceSettings
+
+for _name in list(os.environ):
+    if re.match(
+        r"(ENVIRONMENT$|APPLICATION__|DATABASE__|MESSAGE_BUS__|OUTBOX__|INBOX__|AUTH__|API__|LOGGING__)",
+        _name,
+    ):
+        del os.environ[_name]
+
+REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
+SERVICE_URLS = {
+    "postgres": os.environ.get("TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"),
+    "rabbitmq": os.environ.get("TEST_RABBITMQ_URL", "amqp://guest:guest@127.0.0.1:5672/"),
+    "kafka": os.environ.get("TEST_KAFKA_URL", "127.0.0.1:9092"),
+    "nats": os.environ.get("TEST_NATS_URL", "nats://127.0.0.1:4222"),
+    "redis": os.environ.get("TEST_REDIS_URL", "redis://127.0.0.1:6379"),
+}
+T = TypeVar("T")
+SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
+DEFAULT_PORTS = {"postgres": 5432, "rabbitmq": 5672, "kafka": 9092, "nats": 4222, "redis": 6379}
+_reachable: dict[str, bool] = {}
+
+
+def service_reachable(name: str) -> bool:
+    if name not in _reachable:
+        address = SERVICE_URLS[name].replace("postgresql+asyncpg", "postgresql")
+        # Kafka's address is a bootstrap list, ``host:port[,host:port]``: try the first.
+        url = urlparse(address if "://" in address else f"//{address.split(',')[0]}")
+        try:
+            with socket.create_connection(
+                (url.hostname or "127.0.0.1", url.port or DEFAULT_PORTS[name]), 1.0
+            ):
+                _reachable[name] = True
+        except OSError:
+            _reachable[name] = False
+    return _reachable[name]
+
+
+# How to start each one on a laptop with Docker (CI has them running).
+START_COMMANDS = {
+    "postgres": "docker run -d -p 5432:5432 -e POSTGRES_HOST_AUTH_METHOD=trust postgres:16",
+    "rabbitmq": "docker run -d -p 5672:5672 rabbitmq:3.13",
+    "kafka": "docker run -d -p 9092:9092 apache/kafka:3.8.0",
+    "nats": "docker run -d -p 4222:4222 nats:2.10 -js",
+    "redis": "docker run -d -p 6379:6379 redis:7",
+}
+UNREACHABLE = " is not reachable at "
+
+
+def require_service(name: str) -> None:
+    """Skip the test (with the reason) when ``name`` does not answer; fail under
+    ``REQUIRE_SERVICES=1``, where a missing service is a broken machine, not a laptop."""
+    if service_reachable(name):
+        return
+    message = f"{name}{UNREACHABLE}{SERVICE_URLS[name]}"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{message} and REQUIRE_SERVICES=1")
+    pytest.skip(f"{message}: start it ({START_COMMANDS[name]}) or set TEST_{name.upper()}_URL")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Every skip for one missing service gets the same location, so the summary folds them into
+    one line per service ("SKIPPED [43] .../testing/fixtures.py: rabbitmq is not reachable at ...")
+    instead of a line per test."""
+    del item, call
+    report: pytest.TestReport = yield
+    longrepr = report.longrepr
+    if report.skipped and isinstance(longrepr, tuple) and UNREACHABLE in str(longrepr[2]):
+        report.longrepr = (__file__, require_service.__code__.co_firstlineno, longrepr[2])
+    return report
+
+
+@pytest.fixture(autouse=True)
+def _services_available(request: pytest.FixtureRequest) -> None:
+    for name in SERVICE_URLS:
+        if request.node.get_closest_marker(name) is not None:
+            require_service(name)
+
+
+# -- databases -------------------------------------------------------------------------------
+
+
+def in_thread(function: Callable[..., T], *args: object) -> T:
+    """Run blocking set-up code (Alembic's env, ``asyncio.run``) on a thread of its own, so it
+    never touches the event loop the tests share."""
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        result: T = pool.submit(function, *args).result()
+        return result
+
+
+def run_async(coroutine: Coroutine[Any, Any, T]) -> T:
+    result: T = in_thread(asyncio.run, coroutine)
+    return result
+
+
+async def _create_tables(url: str) -> None:
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as connection:
+            await connection.run_sync(SQLModel.metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+def create_tables(url: str) -> None:
+    """Create every table SQLModel knows (the kit's, and any imported) on ``url``."""
+    run_async(_create_tables(url))
+
+
+@pytest.fixture(scope="session")
+def migrate_database() -> Callable[[str], None]:
+    """How a fresh database gets its tables: the kit's models. A service overrides it with its
+    migrations."""
+    return create_tables
+
+
+@pytest.fixture(scope="session")
+def sqlite_template(
+    tmp_path_factory: pytest.TempPathFactory, migrate_database: Callable[[str], None]
+) -> Path:
+    """A prepared SQLite file, copied for every test that needs a fresh database."""
+    path = tmp_path_factory.mktemp("sqlite-template") / "template.db"
+    migrate_database(f"sqlite+aiosqlite:///{path}")
+    return path
+
+
+async def _admin(statement: str) -> None:
+    engine = create_async_engine(SERVICE_URLS["postgres"], isolation_level="AUTOCOMMIT")
+    try:
+        async with engine.connect() as connection:
+            await connection.execute(sa.text(statement))
+    finally:
+        await engine.dispose()
+
+
+def create_postgres_database() -> str:
+    """A new, empty PostgreSQL database (not migrated); returns its URL."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    run_async(_admin(f'CREATE DATABASE "{name}"'))
+    # Throwaway test data: skip the fsync per commit (PostgreSQL's crash durability is not
+    # what these tests are about, and the reliability tier commits thousands of times).
+    run_async(_admin(f'ALTER DATABASE "{name}" SET synchronous_commit = off'))
+    return SERVICE_URLS["postgres"].rsplit("/", 1)[0] + f"/{name}"
+
+
+def drop_postgres_database(url: str) -> None:
+    run_async(_admin(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="session")
+def postgres_database(migrate_database: Callable[[str], None]) -> Iterator[str]:
+    """One fresh PostgreSQL database for the session, prepared; dropped at the end."""
+    require_service("postgres")  # session fixtures run before the autouse check above
+    url = create_postgres_database()
+    migrate_database(url)
+    yield url
+    drop_postgres_database(url)
+
+
+async def _truncate(url: str) -> None:
+    tables = ", ".join(f'"{t.name}"' for t in SQLModel.metadata.sorted_tables)
+    engine = create_async_engine(url)
+    try:
+        async with engine.begin() as connection:
+            await connection.execute(sa.text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    finally:
+        await engine.dispose()
+
+
+def fresh_sqlite(tmp_path: Path, template: Path) -> str:
+    path = tmp_path / "service.db"
+    shutil.copyfile(template, path)
+    return f"sqlite+aiosqlite:///{path}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh, migrated database: every test using it runs on SQLite and on PostgreSQL."""
+    if request.param == "sqlite":
+        return fresh_sqlite(tmp_path, request.getfixturevalue("sqlite_template"))
+    url: str = request.getfixturevalue("postgres_database")
+    run_async(_truncate(url))
+    return url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path, sqlite_template: Path) -> str:
+    return fresh_sqlite(tmp_path, sqlite_template)
+
+
+@pytest.fixture
+def postgres_url(postgres_database: str) -> str:
+    run_async(_truncate(postgres_database))
+    return postgres_database
+
+
+# -- settings and containers ----------------------------------------------------------------
+
+TEST_SIGNING_KEYS = {"test": "test-signing-secret"}
+
+
+def make_settings(database_url: str, **sections: dict[str, Any]) -> ServiceSettings:
+    """Settings for a test: outbox and inbox on, signed headers, quick timings, a namespace of
+    its own; ``sections`` override any section's values."""
+    return settings_of(ServiceSettings, database_url, **sections)
+
+
+def settings_of(settings_type: type[SettingsT], database_url: str, **sections: dict[str, Any]) -> SettingsT:
+    """:func:`make_settings` as a service's ``Settings``, where its own defaults matter (its
+    slug)."""
+    values: dict[str, dict[str, Any]] = {
+        "application": {"namespace": f"t{uuid.uuid4().hex[:10]}", "instance_id": "test-processor"},
+        "database": {"url": database_url},
+        "message_bus": {
+            "enable_outbox": True,
+            "enable_inbox": True,
+            "signing_keys": TEST_SIGNING_KEYS,
+            "signing_key_id": "test",
+        },
+        "outbox": {"polling_interval_seconds": 0.2, "cleanup_interval_seconds": 3600},
+        "logging": {"level": "WARNING"},
+    }
+    for section, overrides in sections.items():
+        values[section] = {**values.get(section, {}), **overrides}
+    bus, outbox = values["message_bus"], values["outbox"]
+    if "delivery_timeout_seconds" in outbox:
+        # A publish's own limit must end it before the delivery's does (settings).
+        bus.setdefault("publish_timeout_seconds", min(10.0, outbox["delivery_timeout_seconds"] / 2))
+    if bus.get("transport", "inprocess") == "inprocess" and "delivery_timeout_seconds" in outbox:
+        # In-process, a consumer runs inside a delivery: its limit must be shorter (settings).
+        bus.setdefault("handler_timeout_seconds", outbox["delivery_timeout_seconds"] / 2)
+    return settings_type(_env_file=None, **cast("dict[str, Any]", values))
+
+
+def longest_delivery(lease_seconds: float) -> float:
+    """The longest delivery time limit a lease admits (OUTBOX__DELIVERY_TIMEOUT_SECONDS): for
+    tests that shorten the lease; give the publish limit less than this (it must end first)."""
+    return lease_seconds * (1 - LEASE_MARGIN_FRACTION)
+
+
+def kit_container(settings: ServiceSettings) -> OutboxContainer:
+    """The kit's container on ``settings``, with no contexts (a test installs the harness's)."""
+    return OutboxContainer(settings=providers.Object(settings), modules=providers.Object([]))
+
+
+@pytest.fixture(scope="session")
+def container_builder() -> Callable[[ServiceSettings], OutboxContainer]:
+    """How ``make_container`` builds a container from a test's settings: the kit's own. A
+    service overrides it with its ``build_container``."""
+    return kit_container
+
+
+ContainerFactory = Callable[..., OutboxContainer]
+
+
+@pytest.fixture
+async def make_container(
+    database_url: str, container_builder: Callable[[ServiceSettings], OutboxContainer]
+) -> AsyncIterator[ContainerFactory]:
+    """Build containers on the test's database; their engines are disposed afterwards."""
+    built: list[OutboxContainer] = []
+
+    def factory(**sections: dict[str, Any]) -> OutboxContainer:
+        container = container_builder(make_settings(database_url, **sections))
+        built.append(container)
+        return container
+
+    yield factory
+    for container in built:
+        await container.database().dispose()
+
+
+@pytest.fixture
+async def container(make_container: ContainerFactory) -> OutboxContainer:
+    return make_container()
+
+
+@contextmanager
+def acting_as(
+    tenant: str = "acme",
+    user: str = "alice",
+    roles: tuple[str, ...] = ("clerk",),
+    correlation_id: str = "corr-1",
+) -> Iterator[RequestContext]:
+    """Run a block as a given caller (what the API middleware does for a request)."""
+    context = RequestContext(
+        tenant_id=tenant,
+        user_id=user,
+        roles=roles,
+        correlation_id=correlation_id,
+        traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+        authentication_type="test",
+    )
+    with use_context(context) as active:
+        yield active
+
+
+async def fetch(container: OutboxContainer, statement: Any) -> list[Any]:
+    """Rows of ``statement`` read in a fresh session."""
+    async with container.database().session() as session:
+        return list((await session.exec(statement)).all())
+
+
+async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:  # noqa: ASYNC109 (a deadline)
+    """Wait until ``check()`` holds, polling every 20 ms; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not check():
+        if asyncio.get_running_loop().time() > deadline:
+            msg = "condition not met in time"
+            raise AssertionError(msg)
+        await asyncio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
