@@ -4,7 +4,7 @@ test on the fake proves what it would on the database.
 
 Each check is written once against a :class:`Harness` (how to open a unit of work, what its
 commits published and scheduled) over the test context's ``Counter`` aggregate and ``Counters``
-port (``tests/kit.py``): nothing is saved or published before ``commit``; a commit saves the
+port (``outbox_kit.testing.harness``): nothing is saved or published before ``commit``; a commit saves the
 aggregate (a new unit of work loads the same state and version) and removes exactly the events
 it captured; a stale version raises ``ConcurrencyError`` and saves nothing; an aggregate of
 another tenant is not found; a failed savepoint block leaves nothing it collected; a

@@ -412,7 +412,6 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
         {
             "__init__.py": "",
             "container.py": "",
-            "composition/__init__.py": "",
             "entrypoints/__init__.py": "",
             "contracts/__init__.py": "",
             "settings.py": "",
