@@ -56,6 +56,7 @@ from outbox_kit.consume.bus import (
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
+from outbox_kit.runtime import cli
 from outbox_kit.transports.envelope import (
     Envelope,
 )
@@ -63,11 +64,9 @@ from outbox_kit.transports.settings import (
     EndpointNames,
 )
 
+from {{ cookiecutter.package_name }}.__main__ import PROJECT_ROOT
 from {{ cookiecutter.package_name }}.container import (
     Container,
-)
-from {{ cookiecutter.package_name }}.entrypoints import (
-    migrations,
 )
 
 from .common import (
@@ -134,7 +133,7 @@ async def prepare(target: Target) -> None:
     """Create (when missing) and migrate the bench database, and create the bench's own table."""
     if target.database.startswith("postgresql"):
         await create_missing_database(target.database)
-    await asyncio.to_thread(migrations.upgrade, target.database)
+    await asyncio.to_thread(cli.upgrade, PROJECT_ROOT, target.database)
     await execute(
         target.database,
         f"CREATE TABLE IF NOT EXISTS {TALLIES} (id BIGSERIAL PRIMARY KEY, writer INT NOT NULL, "

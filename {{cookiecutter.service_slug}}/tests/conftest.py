@@ -12,21 +12,20 @@ from contextlib import asynccontextmanager
 
 import pytest
 from fastapi import APIRouter
+from outbox_kit.runtime import cli
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import free_port, in_thread
 
+from {{ cookiecutter.package_name }}.__main__ import PROJECT_ROOT
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
-)
-from {{ cookiecutter.package_name }}.entrypoints import (
-    migrations,
 )
 
 
 def migrate(url: str) -> None:
     """This service's migrations, to the head, on ``url``."""
-    in_thread(migrations.upgrade, url)
+    in_thread(cli.upgrade, PROJECT_ROOT, url)
 
 
 @pytest.fixture(scope="session")
@@ -46,13 +45,8 @@ async def live_server(
     """The app on a real uvicorn server (lifespan included), on a free port of this loop;
     ``routers`` stand for a context a user adds later (the app's edge must cover it too)."""
     import uvicorn
-    from outbox_kit.runtime.server import (
-        server_config,
-    )
-
-    from {{ cookiecutter.package_name }}.entrypoints.app import (
-        create_app,
-    )
+    from outbox_kit.runtime.app import create_app
+    from outbox_kit.runtime.server import server_config
 
     app = create_app(container, with_worker=with_worker)
     for router in routers:

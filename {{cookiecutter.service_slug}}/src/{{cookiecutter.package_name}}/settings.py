@@ -32,13 +32,15 @@ from outbox_kit.transports.settings import (
     Transport,
 )
 
-from .about import SERVICE_SLUG
+from .about import DESCRIPTION, SERVICE_NAME, SERVICE_SLUG
 
 
 class Settings(ServiceSettings):
     """The root of every setting; the container builds one per process."""
 
     service_slug: ClassVar[str] = SERVICE_SLUG
+    service_name: ClassVar[str] = SERVICE_NAME
+    description: ClassVar[str] = DESCRIPTION
 
 
 __all__ = [

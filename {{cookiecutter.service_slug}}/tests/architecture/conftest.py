@@ -12,13 +12,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from outbox_kit.runtime.cli import upgrade
 
+from {{ cookiecutter.package_name }}.__main__ import PROJECT_ROOT
 from {{ cookiecutter.package_name }}.container import (
     Container,
     build_container,
-)
-from {{ cookiecutter.package_name }}.entrypoints.migrations import (
-    upgrade,
 )
 from {{ cookiecutter.package_name }}.settings import (
     DatabaseSettings,
@@ -33,7 +32,7 @@ collect_ignore = ["fixtures"]
 @pytest.fixture(scope="session")
 async def migrated_database(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("architecture") / "migrated.db"
-    await asyncio.to_thread(upgrade, f"sqlite+aiosqlite:///{path}")
+    await asyncio.to_thread(upgrade, PROJECT_ROOT, f"sqlite+aiosqlite:///{path}")
     return path
 
 

@@ -23,15 +23,13 @@ from urllib.parse import urlsplit
 import asyncpg
 import httpx
 import pytest
+from outbox_kit.runtime.app import FORCED_EXIT_GRACE_SECONDS
 from outbox_kit.testing.fixtures import SERVICE_URLS, free_port, make_settings
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
-)
-from {{ cookiecutter.package_name }}.entrypoints.stopping import (
-    FORCED_EXIT_GRACE_SECONDS,
 )
 
 from ..conftest import token_for

@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from outbox_kit.runtime.app import startup_diagnostics
 from outbox_kit.testing.fixtures import make_settings
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
-    startup_diagnostics,
 )
 from {{ cookiecutter.package_name }}.settings import (
     DEV_JWT_SECRET,

@@ -501,9 +501,9 @@ async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
 
 
 def test_the_cli_records_the_operators_login_name_by_default() -> None:
-    from {{ cookiecutter.package_name }}.entrypoints.cli import (
-        build_parser,
-    )
+    from outbox_kit.runtime.cli import build_parser
 
-    args = build_parser().parse_args(["outbox", "replay", "--source", "outbox", str(uuid.uuid4())])
+    from {{ cookiecutter.package_name }}.settings import Settings
+
+    args = build_parser(Settings).parse_args(["outbox", "replay", "--source", "outbox", str(uuid.uuid4())])
     assert args.actor == f"cli:{getpass.getuser()}"

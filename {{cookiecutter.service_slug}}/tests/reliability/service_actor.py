@@ -46,6 +46,7 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import (
     TableSource,
 )
+from outbox_kit.runtime.server import run_worker
 from outbox_kit.testing.fixtures import longest_delivery, make_settings
 from outbox_kit.testing.harness import (
     CONSUMER,
@@ -60,7 +61,6 @@ from outbox_kit.testing.harness import (
 from outbox_kit.transports.bus import Delivered
 
 from {{ cookiecutter.package_name }}.container import Container, build_container
-from {{ cookiecutter.package_name }}.entrypoints.worker_process import run_worker
 
 LEDGER = CONSUMER  # the hostile-message helpers of the broker tests read this consumer's letters
 RELAY_POISON = -1  # an event whose publish fails while the poison file exists

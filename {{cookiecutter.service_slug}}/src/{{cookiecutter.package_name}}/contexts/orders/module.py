@@ -9,6 +9,11 @@ from .domain import OrderCancelled, OrderPlaced
 from .infrastructure import SqlCustomerCounters, SqlOrders, SqlOrderSummaries
 from .ports import CustomerCounters, Orders, OrderSummaries
 
+# The call the development banner offers first (``python -m <package> run``); the banner fills in
+# the address and a development token.
+BASE, AUTH = "{base}", "{auth}"
+ORDER = '{"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}'
+
 
 def register_handlers(handlers: HandlerRegistry) -> None:
     handlers.on_domain_event(OrderPlaced, application.project_order_placed)
@@ -30,4 +35,7 @@ def module() -> Module:
             CustomerCounters: SqlCustomerCounters,
         },
         table_modules=(f"{__package__}.tables",),
+        examples=(
+            "curl -s -X POST {base}/orders {auth} -H 'Content-Type: application/json' -d '" + ORDER + "'",
+        ),
     )

@@ -2,20 +2,13 @@
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from fastapi import FastAPI
-from outbox_kit.application.text import (
-    mask_credentials,
-)
-
-from {{ cookiecutter.package_name }}.entrypoints import (
-    cli,
-    serving,
-)
-from {{ cookiecutter.package_name }}.settings import (
-    Settings,
-)
+from outbox_kit.application.text import mask_credentials
+from outbox_kit.runtime import cli, server
+from outbox_kit.runtime.settings import ServiceSettings
+from outbox_kit.testing.fixtures import kit_container
 
 pytestmark = pytest.mark.unit
 DATABASE = "postgresql+asyncpg://app:s3cret-pw@db.internal:5432/app"
@@ -52,8 +45,8 @@ def test_text_without_url_credentials_is_unchanged(text: str) -> None:
 
 
 def test_the_development_banner_masks_the_database_password(capsys: pytest.CaptureFixture[str]) -> None:
-    settings = Settings(_env_file=None, database={"url": DATABASE})  # type: ignore[call-arg]
-    serving.print_banner(settings, FastAPI(), "http://127.0.0.1:8000", with_worker=True)
+    settings = ServiceSettings(_env_file=None, database={"url": DATABASE})  # type: ignore[call-arg]
+    server.print_banner(kit_container(settings), "http://127.0.0.1:8000", with_worker=True)
     banner = capsys.readouterr().err
     assert "s3cret-pw" not in banner
     assert "postgresql+asyncpg://app:***@db.internal:5432/app" in banner
@@ -79,7 +72,8 @@ def test_every_log_line_of_a_command_masks_url_passwords(
     """``run`` sets up the process's logging for every command; any logger's line with a URL,
     the message and its traceback, reaches the output masked."""
     monkeypatch.setenv("LOGGING__JSON_FORMAT", "false")
-    assert cli.run(["token", "--tenant", "t", "--user", "u"]) == 0
+    command = ["token", "--tenant", "t", "--user", "u"]
+    assert cli.run(ServiceSettings, kit_container, project=Path(), argv=command) == 0
     log = logging.getLogger("some.library")
     log.warning("cannot connect to %s", DATABASE)
     try:

@@ -11,13 +11,8 @@ import sys
 from collections.abc import Callable, Iterator
 
 import pytest
-
-from {{ cookiecutter.package_name }}.entrypoints.logging_setup import (
-    configure_logging,
-)
-from {{ cookiecutter.package_name }}.settings import (
-    LoggingSettings,
-)
+from outbox_kit.runtime.cli import configure_logging
+from outbox_kit.runtime.settings import LoggingSettings
 
 pytestmark = pytest.mark.unit
 RECORD_START = re.compile(r"\d{4}-\d{2}-\d{2}")
