@@ -15,7 +15,7 @@ from outbox_kit.domain import (
     DomainError,
     NotFoundError,
 )
-from outbox_kit.runtime.errors import install_error_handlers
+from outbox_kit.runtime.http import install_error_handlers
 from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory
 from outbox_kit.testing.harness import tcp_proxy
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from outbox_kit.operations.requests import AdminError
+from outbox_kit.operations.rows import AdminError
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     DeadLetterReplay,

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from outbox_kit.application.context import (
     current_context,
 )
-from outbox_kit.application.otel import OpenTelemetryTracing
+from outbox_kit.application.observability import OpenTelemetryTracing
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )

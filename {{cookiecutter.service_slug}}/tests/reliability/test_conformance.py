@@ -34,7 +34,7 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.operations.requests import EVERY_TENANT
+from outbox_kit.operations.rows import EVERY_TENANT
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )

@@ -5,9 +5,10 @@ from pathlib import Path
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from outbox_kit.application.observability import NoTracing, SpanKind
-from outbox_kit.application.otel import (
+from outbox_kit.application.observability import (
+    NoTracing,
     OpenTelemetryTracing,
+    SpanKind,
     otlp_processor,
 )
 from outbox_kit.runtime.container import build_tracing

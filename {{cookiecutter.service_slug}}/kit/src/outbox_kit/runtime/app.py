@@ -62,7 +62,7 @@ from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.observability import Tracing
 from outbox_kit.application.text import mask_credentials
 from outbox_kit.operations.admin import RelayAdministration
-from outbox_kit.operations.requests import (
+from outbox_kit.operations.rows import (
     EVERY_TENANT,
     MAX_OFFSET,
     MAX_PAGE,
@@ -71,10 +71,11 @@ from outbox_kit.operations.requests import (
     TenantScope,
 )
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
-from outbox_kit.runtime.errors import error_responses, install_error_handlers
 from outbox_kit.runtime.http import (
     RequestContextMiddleware,
     RequestEdgeMiddleware,
+    error_responses,
+    install_error_handlers,
     require_role,
     trace_requests,
 )

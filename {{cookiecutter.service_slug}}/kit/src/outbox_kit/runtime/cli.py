@@ -48,7 +48,7 @@ from pydantic import ValidationError
 from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 from outbox_kit.application.text import CredentialMaskingFilter
 from outbox_kit.operations.admin import RelayAdministration
-from outbox_kit.operations.requests import EVERY_TENANT, AdminError, TenantScope
+from outbox_kit.operations.rows import EVERY_TENANT, AdminError, TenantScope
 from outbox_kit.runtime.app import service_asyncapi
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import InvalidTokenError

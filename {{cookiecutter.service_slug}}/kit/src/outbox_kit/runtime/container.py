@@ -199,7 +199,7 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
 
 def build_tracing(settings: ServiceSettings) -> Tracing:
     if settings.telemetry.tracing is TracingBackend.OTEL:
-        from outbox_kit.application.otel import OpenTelemetryTracing  # noqa: PLC0415 (an extra)
+        from outbox_kit.application.observability import OpenTelemetryTracing  # noqa: PLC0415 (an extra)
 
         return OpenTelemetryTracing(service_name=os.environ.get("OTEL_SERVICE_NAME") or settings.service_slug)
     return NoTracing()
