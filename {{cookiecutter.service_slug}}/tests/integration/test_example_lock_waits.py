@@ -10,14 +10,13 @@ import sqlite3
 import asyncpg
 import httpx
 import pytest
-from outbox_kit.testing.fixtures import free_port, make_settings
+from outbox_kit.testing.fixtures import free_port, make_settings, token_for
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import token_for
 from .test_bounded_shutdown import JWT_SECRET, MARGIN, plain_dsn, until_answering
 from .test_worker_endpoints import service_process
 

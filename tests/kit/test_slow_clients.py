@@ -12,9 +12,7 @@ import time
 
 import httpx
 import pytest
-from outbox_kit.testing.fixtures import free_port
-
-from .test_worker_endpoints import service_process, wait_for
+from outbox_kit.testing.fixtures import free_port, service_process, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LIMIT = 1.0  # seconds, for the head and for the body

@@ -28,7 +28,9 @@ from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,
 )
-from outbox_kit.testing.fixtures import acting_as, fetch
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.settings import ServiceSettings
+from outbox_kit.testing.fixtures import acting_as, fetch, live_server, token_for
 from outbox_kit.testing.harness import (
     FakeClock,
     RecordEffect,
@@ -45,12 +47,6 @@ from outbox_kit.testing.harness import (
 from outbox_kit.transports.bus import Delivered
 from prometheus_client import generate_latest
 from sqlmodel import select
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 
@@ -146,7 +142,7 @@ async def test_retention_zero_disables_cleanup(make_container: Any) -> None:
     assert len(await all_rows(container)) == 1
 
 
-async def dead_letter(container: Container, count: int, **extra: Any) -> list[uuid.UUID]:
+async def dead_letter(container: OutboxContainer, count: int, **extra: Any) -> list[uuid.UUID]:
     now = container.clock()()
     return await insert_rows(
         container,
@@ -166,7 +162,7 @@ async def dead_letter(container: Container, count: int, **extra: Any) -> list[uu
     )
 
 
-async def test_dead_letters_are_listed_oldest_first_paged_without_payload(container: Container) -> None:
+async def test_dead_letters_are_listed_oldest_first_paged_without_payload(container: OutboxContainer) -> None:
     ids = await dead_letter(container, 5)
     admin = container.admin()
     first = await admin.list_dead_letters("outbox", offset=0, limit=2)
@@ -179,7 +175,9 @@ async def test_dead_letters_are_listed_oldest_first_paged_without_payload(contai
         await admin.list_dead_letters("nope")
 
 
-async def test_replay_resets_retries_clears_the_lease_keeps_error_and_place(container: Container) -> None:
+async def test_replay_resets_retries_clears_the_lease_keeps_error_and_place(
+    container: OutboxContainer,
+) -> None:
     ids = await dead_letter(container, 2, ordering_key="k")
     before = await state(container, ids[0])
     result = await container.admin().replay("outbox", [str(ids[0])], actor="operator-1")
@@ -199,7 +197,7 @@ async def test_replay_resets_retries_clears_the_lease_keeps_error_and_place(cont
     assert [r.id for r in claimed] == [ids[0]]  # back in the pool, first in its key
 
 
-async def test_replay_is_all_or_nothing_with_clear_errors(container: Container) -> None:
+async def test_replay_is_all_or_nothing_with_clear_errors(container: OutboxContainer) -> None:
     (dead,) = await dead_letter(container, 1)
     (alive,) = await insert_rows(container, [row("kit.a.v1", container.clock()())])
     admin = container.admin()
@@ -214,7 +212,7 @@ async def test_replay_is_all_or_nothing_with_clear_errors(container: Container) 
     assert (await state(container, dead)).dead_lettered_on is not None
 
 
-async def test_count_pending_includes_leased_rows(container: Container) -> None:
+async def test_count_pending_includes_leased_rows(container: OutboxContainer) -> None:
     now = container.clock()()
     await insert_rows(container, [row("kit.a.v1", now) for _ in range(3)])
     await dead_letter(container, 1)
@@ -224,7 +222,7 @@ async def test_count_pending_includes_leased_rows(container: Container) -> None:
     assert (commands.source, commands.pending) == ("internal_commands", 0)
 
 
-async def test_explain_says_why_a_row_is_or_is_not_moving(container: Container) -> None:
+async def test_explain_says_why_a_row_is_or_is_not_moving(container: OutboxContainer) -> None:
     clock = FakeClock()
     head, follower = await insert_rows(container, [row("kit.a.v1", clock.now, key="k") for _ in range(2)])
     (future,) = await insert_rows(
@@ -248,7 +246,7 @@ async def test_explain_says_why_a_row_is_or_is_not_moving(container: Container) 
         await admin.explain("outbox", str(uuid.uuid4()))
 
 
-async def test_explain_reports_backoff_and_processed(container: Container) -> None:
+async def test_explain_reports_backoff_and_processed(container: OutboxContainer) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
 
@@ -265,7 +263,7 @@ async def test_explain_reports_backoff_and_processed(container: Container) -> No
     assert (await container.admin().explain("outbox", str(row_id))).state == "processed"
 
 
-async def test_metrics_agree_with_the_table(container: Container) -> None:
+async def test_metrics_agree_with_the_table(container: OutboxContainer) -> None:
     """Each metric against the rows it describes: a leased row and a dead letter are not part of
     the deliverable backlog's age, the depth counts leased rows, every outcome is counted."""
     clock = FakeClock()
@@ -325,7 +323,7 @@ async def test_metrics_agree_with_the_table(container: Container) -> None:
         assert name in exposition
 
 
-async def test_internal_commands_run_later_in_their_own_unit_of_work(container: Container) -> None:
+async def test_internal_commands_run_later_in_their_own_unit_of_work(container: OutboxContainer) -> None:
     kit = await install_kit(container)
     seen: list[tuple[str | None, str]] = []
 
@@ -350,7 +348,7 @@ async def test_internal_commands_run_later_in_their_own_unit_of_work(container: 
     assert command_row.processed_on is not None
 
 
-async def test_a_command_due_later_runs_on_time_not_one_interval_late(container: Container) -> None:
+async def test_a_command_due_later_runs_on_time_not_one_interval_late(container: OutboxContainer) -> None:
     """``schedule(command, due_at=...)``: the commit wakes the loop, whose smart wait then sleeps
     until the due time; the 30 s fallback interval would make it half a minute late."""
     await install_kit(container)
@@ -372,7 +370,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
             async with container.units_of_work()() as uow:
                 uow.schedule(RecordEffect(label="later"), due_at=container.clock()() + timedelta(seconds=1))
                 await uow.commit()
-        while not ran_at and time.monotonic() < due + 10:  # noqa: ASYNC110 (polls a list)
+        while not ran_at and time.monotonic() < due + 10:
             await asyncio.sleep(0.02)
     finally:
         task.cancel()
@@ -382,7 +380,7 @@ async def test_a_command_due_later_runs_on_time_not_one_interval_late(container:
     assert due - 0.05 <= ran_at[0] < due + 2.0  # not early, and not an interval late
 
 
-async def test_a_failing_internal_command_backs_off_like_the_outbox(container: Container) -> None:
+async def test_a_failing_internal_command_backs_off_like_the_outbox(container: OutboxContainer) -> None:
     await install_kit(container)
 
     async def broken(command: RecordEffect, uow: SqlUnitOfWork) -> None:
@@ -403,7 +401,7 @@ async def test_a_failing_internal_command_backs_off_like_the_outbox(container: C
 
 
 async def test_a_command_that_keeps_failing_is_dead_lettered_after_exactly_max_retries(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """The internal-command processor uses the outbox's idiom: backoff, then ``retries_exhausted``
     at ``OUTBOX__MAX_RETRIES`` (3 here), never a fourth run."""
@@ -434,7 +432,9 @@ async def test_a_command_that_keeps_failing_is_dead_lettered_after_exactly_max_r
     assert listed.reason == "retries_exhausted"
 
 
-async def test_a_command_nobody_can_read_is_retried_once_then_dead_lettered(container: Container) -> None:
+async def test_a_command_nobody_can_read_is_retried_once_then_dead_lettered(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     (command_id,) = await insert_rows(
         container,
@@ -460,7 +460,7 @@ async def test_a_command_nobody_can_read_is_retried_once_then_dead_lettered(cont
 
 
 async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """Over a real HTTP server: the replay is recorded as the token's subject (not a name the
     body chose), explain follows the row, and mistakes get 404/400/422 with the reason."""
@@ -503,7 +503,7 @@ async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
 def test_the_cli_records_the_operators_login_name_by_default() -> None:
     from outbox_kit.runtime.cli import build_parser
 
-    from {{ cookiecutter.package_name }}.settings import Settings
-
-    args = build_parser(Settings).parse_args(["outbox", "replay", "--source", "outbox", str(uuid.uuid4())])
+    args = build_parser(ServiceSettings).parse_args(
+        ["outbox", "replay", "--source", "outbox", str(uuid.uuid4())]
+    )
     assert args.actor == f"cli:{getpass.getuser()}"

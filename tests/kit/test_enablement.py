@@ -5,31 +5,22 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from outbox_kit.runtime.app import startup_diagnostics
-from outbox_kit.testing.fixtures import make_settings
-
-from {{ cookiecutter.package_name }}.container import (
-    build_container,
-)
-from {{ cookiecutter.package_name }}.settings import (
-    DEV_JWT_SECRET,
-)
+from outbox_kit.runtime.settings import DEV_JWT_SECRET
+from outbox_kit.testing.fixtures import kit_container, make_settings, service_argv
 
 pytestmark = pytest.mark.integration
-PROJECT = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if "__" not in k}
     return subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}", *args],
-        cwd=PROJECT,
-        env=clean | env,
+        [*service_argv(), *args],
+        env=clean | {"DATABASE__URL": "sqlite+aiosqlite:///:memory:"} | env,  # nothing on disk
         capture_output=True,
         text=True,
         timeout=60,
@@ -75,8 +66,7 @@ def test_the_published_jwt_secret_is_never_served_beyond_loopback(
     with it, `run` and `api` listen on loopback only (one line, exit 2, nothing started)."""
     clean = {k: v for k, v in os.environ.items() if "__" not in k}
     result = subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}", *arguments, "--port", "0"],
-        cwd=PROJECT,
+        [*service_argv(), *arguments, "--port", "0"],
         env=clean
         | env
         | {"AUTH__JWT_SECRET": DEV_JWT_SECRET, "DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'x.db'}"},
@@ -107,8 +97,7 @@ def test_production_refuses_a_jwt_algorithm_it_cannot_verify_at_start_up(
         "DATABASE__URL": f"sqlite+aiosqlite:///{tmp_path / 'x.db'}",
     }
     process = subprocess.Popen(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "api", "--port", "0"],
-        cwd=PROJECT,
+        [*service_argv(), "api", "--port", "0"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -129,7 +118,7 @@ def test_production_refuses_a_jwt_algorithm_it_cannot_verify_at_start_up(
 def test_the_inbox_off_with_a_broker_warns_once(sqlite_url: str, caplog: pytest.LogCaptureFixture) -> None:
     settings = make_settings(sqlite_url, message_bus={"transport": "rabbitmq", "enable_inbox": False})
     with caplog.at_level(logging.WARNING):
-        startup_diagnostics(build_container(settings))
+        startup_diagnostics(kit_container(settings))
     assert caplog.text.count("MESSAGE_BUS__ENABLE_INBOX=false") == 1
 
 
@@ -146,7 +135,7 @@ def test_accepting_unsigned_messages_on_a_broker_warns(
 ) -> None:
     settings = make_settings(sqlite_url, message_bus={"transport": "redis", **bus})
     with caplog.at_level(logging.WARNING):
-        startup_diagnostics(build_container(settings))
+        startup_diagnostics(kit_container(settings))
     unsigned = [r.getMessage() for r in caplog.records if "unsigned" in r.getMessage()]
     assert [warning in message for message in unsigned] == ([] if warning is None else [True])
 
@@ -154,7 +143,7 @@ def test_accepting_unsigned_messages_on_a_broker_warns(
 def test_a_composition_root_that_bypasses_the_outbox_is_reported(
     sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    container = build_container(make_settings(sqlite_url))
+    container = kit_container(make_settings(sqlite_url))
     container.units_of_work().outbox_enabled = False  # a later wiring "overrode" the outbox
     with caplog.at_level(logging.WARNING):
         startup_diagnostics(container)
@@ -171,7 +160,7 @@ def test_a_composition_root_that_bypasses_the_outbox_is_reported(
 def test_the_worker_runs_the_outbox_processor_only_when_the_outbox_is_on(
     sqlite_url: str, bus: dict[str, bool], expected: list[str]
 ) -> None:
-    container = build_container(make_settings(sqlite_url, message_bus=bus))
+    container = kit_container(make_settings(sqlite_url, message_bus=bus))
     assert [source.name for source in container.sources()] == expected
 
 
@@ -198,5 +187,5 @@ def test_an_inbox_that_forgets_before_a_dead_letter_can_be_replayed_warns(
     inbox = {} if inbox_days is None else {"retention_days": inbox_days}
     settings = make_settings(sqlite_url, outbox=outbox, inbox=inbox)
     with caplog.at_level(logging.WARNING):
-        startup_diagnostics(build_container(settings))
+        startup_diagnostics(kit_container(settings))
     assert ("INBOX__RETENTION_DAYS" in caplog.text) is warns

@@ -27,17 +27,12 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
     SqlUnitOfWorkFactory,
 )
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import (
     units_of_work,
 )
-from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch
+from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch, live_server
 from outbox_kit.testing.harness import CounterChangedV1, install_kit
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import live_server
 
 pytestmark = pytest.mark.integration
 
@@ -52,7 +47,7 @@ def exporter() -> Iterator[InMemorySpanExporter]:
     spans.shutdown()
 
 
-def traced(make_container: ContainerFactory, exporter: InMemorySpanExporter) -> Container:
+def traced(make_container: ContainerFactory, exporter: InMemorySpanExporter) -> OutboxContainer:
     container = make_container(
         message_bus={"transport": "inprocess", "enable_outbox": True, "enable_inbox": True}
     )
@@ -77,7 +72,7 @@ def traceparent_of(span: ReadableSpan) -> str:
     return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
 
 
-async def enqueue_one(container: Container, value: int) -> None:
+async def enqueue_one(container: OutboxContainer, value: int) -> None:
     with acting_as():
         async with container.units_of_work()() as uow:
             uow.enqueue(CounterChangedV1(counter_id="c-1", value=value))

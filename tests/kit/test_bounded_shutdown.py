@@ -24,16 +24,16 @@ import asyncpg
 import httpx
 import pytest
 from outbox_kit.runtime.app import FORCED_EXIT_GRACE_SECONDS
-from outbox_kit.testing.fixtures import SERVICE_URLS, free_port, make_settings
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    free_port,
+    kit_container,
+    make_settings,
+    service_process,
+    token_for,
+)
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url
-
-from {{ cookiecutter.package_name }}.container import (
-    build_container,
-)
-
-from ..conftest import token_for
-from .test_worker_endpoints import service_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
 # Room for a loaded machine (two cores, other suites running): these bound a hang, not a speed.
@@ -82,7 +82,7 @@ async def exits_within(process: subprocess.Popen[str], seconds: float) -> int | 
     """SIGTERM, then the exit status if the process ended within ``seconds`` (else None)."""
     process.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + seconds
-    while process.poll() is None and time.monotonic() < deadline:  # noqa: ASYNC110 (a process, not an event)
+    while process.poll() is None and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     return process.poll()
 
@@ -107,7 +107,7 @@ async def test_run_exits_within_its_shutdown_time_with_a_request_stuck_in_a_hand
     api_shutdown, outbox_shutdown = 2.0, 2.0
     port = free_port()
     token = token_for(
-        build_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})), roles=("outbox-admin",)
+        kit_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})), roles=("outbox-admin",)
     )
     admin = await asyncpg.connect(plain_dsn(postgres_url))
     try:
@@ -202,7 +202,7 @@ async def test_a_request_on_a_frozen_database_line_answers_503_within_its_time_l
     statement_timeout, connect_timeout = 1.0, 1.0
     port = free_port()
     token = token_for(
-        build_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})), roles=("outbox-admin",)
+        kit_container(make_settings(postgres_url, auth={"jwt_secret": JWT_SECRET})), roles=("outbox-admin",)
     )
     async with postgres_line(postgres_url) as (proxy, url):
         with service_process(

@@ -1,11 +1,10 @@
 """The runtime guard: a handler that commits while the unit of work dispatches to it is refused.
 
-The static rule (``test_handlers_do_not_save``) proves it before the code runs; this proves the
+The static rule (``outbox_kit.testing.save_rule``) proves it before the code runs; this proves the
 unit of work refuses it when it does run, on each dispatch path: a domain event delivered after
 commit, an internal command run by its processor, an integration event through the consume
-pipeline; and below the ORM, a Core transaction on the service's engine. A real SQLite file
-migrated by the service's migrations; a test-only aggregate, events and handlers registered on
-the container, so the proof does not depend on the example contexts.
+pipeline; and below the ORM, a Core transaction on the service's engine. A real database (SQLite
+and PostgreSQL); a test-only aggregate, events and handlers registered on the container.
 
 What is observable: the dispatcher does not let the error escape the commit that raised the event
 (the business write stands); it logs it and releases the outbox row's lease with ``last_error``
@@ -42,12 +41,16 @@ from outbox_kit.persistence.tables import (
     InboxMessage,
 )
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, SqlUnitOfWorkFactory
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import ContainerFactory
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
+pytestmark = pytest.mark.unit
 
-pytestmark = pytest.mark.architecture
+
+@pytest.fixture
+async def service_container(make_container: ContainerFactory) -> OutboxContainer:
+    """The kit's container on a fresh database: outbox and inbox on, no processing delay."""
+    return make_container(outbox={"processing_delay_seconds": 0})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +126,7 @@ class OpensASecondUnitOfWork:
 class WritesThroughTheEngine:
     """Misbehaves below the ORM: a Core transaction of its own on the service's engine."""
 
-    def __init__(self, container: Container) -> None:
+    def __init__(self, container: OutboxContainer) -> None:
         self.container = container
         self.errors: list[Exception] = []
 
@@ -149,19 +152,19 @@ class OnlyEnqueues:
         uow.enqueue(ProbeAnnounced(note=type(message).__name__))
 
 
-async def start_probe(container: Container) -> None:
+async def start_probe(container: OutboxContainer) -> None:
     async with container.units_of_work()() as uow:
         uow.repository(Probes).add(Probe.start())
         await uow.commit()
 
 
-async def rows(container: Container, table: sa.Table, **where: Any) -> list[Any]:
+async def rows(container: OutboxContainer, table: sa.Table, **where: Any) -> list[Any]:
     statement = sa.select(table).where(*(table.c[name] == value for name, value in where.items()))
     async with container.database().session() as session:
         return list((await session.exec(statement)).all())  # type: ignore[call-overload]
 
 
-async def run_source(container: Container, name: str) -> None:
+async def run_source(container: OutboxContainer, name: str) -> None:
     (source,) = [source for source in container.sources() if source.name == name]
     await source.run_cycle()
 
@@ -173,7 +176,7 @@ def assert_refused(errors: list[Exception], handler: object) -> None:
 
 
 async def test_a_domain_event_handler_that_commits_is_refused_and_the_event_released(
-    service_container: Container,
+    service_container: OutboxContainer,
 ) -> None:
     handler = CommitsItsUnitOfWork()
     service_container.handlers().on_domain_event(ProbeRaised, handler)
@@ -190,7 +193,7 @@ async def test_a_domain_event_handler_that_commits_is_refused_and_the_event_rele
 
 
 async def test_a_handler_that_commits_a_second_unit_of_work_is_refused(
-    service_container: Container,
+    service_container: OutboxContainer,
 ) -> None:
     handler = OpensASecondUnitOfWork(service_container.units_of_work())
     service_container.handlers().on_domain_event(ProbeRaised, handler)
@@ -205,7 +208,7 @@ async def test_a_handler_that_commits_a_second_unit_of_work_is_refused(
 
 
 async def test_an_internal_command_handler_that_commits_is_refused_and_retried(
-    service_container: Container,
+    service_container: OutboxContainer,
 ) -> None:
     handler = CommitsItsUnitOfWork()
     service_container.registry().register(ProbeCommand)
@@ -225,7 +228,7 @@ async def test_an_internal_command_handler_that_commits_is_refused_and_retried(
 
 
 async def test_a_consumer_that_commits_is_refused_and_nothing_is_consumed(
-    service_container: Container,
+    service_container: OutboxContainer,
 ) -> None:
     handler = CommitsItsUnitOfWork()
     service_container.registry().register(ProbeAnnounced)
@@ -247,7 +250,7 @@ async def test_a_consumer_that_commits_is_refused_and_nothing_is_consumed(
 
 
 async def test_a_handler_that_commits_a_core_transaction_is_refused_and_writes_nothing(
-    service_container: Container,
+    service_container: OutboxContainer,
 ) -> None:
     handler = WritesThroughTheEngine(service_container)
     service_container.handlers().on_domain_event(ProbeRaised, handler)
@@ -261,7 +264,7 @@ async def test_a_handler_that_commits_a_core_transaction_is_refused_and_writes_n
     assert handler_name(handler) in row.last_error
 
 
-async def test_a_handler_that_does_not_commit_is_delivered(service_container: Container) -> None:
+async def test_a_handler_that_does_not_commit_is_delivered(service_container: OutboxContainer) -> None:
     handler = OnlyEnqueues()
     service_container.handlers().on_domain_event(ProbeRaised, handler)
 

@@ -15,20 +15,15 @@ from outbox_kit.domain import (
     DomainError,
     NotFoundError,
 )
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import install_error_handlers
-from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory
+from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory, live_server, token_for
 from outbox_kit.testing.harness import tcp_proxy
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 
 
-async def test_health_metrics_and_asyncapi(container: Container) -> None:
+async def test_health_metrics_and_asyncapi(container: OutboxContainer) -> None:
     async with live_server(container) as base, httpx.AsyncClient(base_url=base) as client:
         assert (await client.get("/livez")).json() == {"status": "ok"}
         ready = await client.get("/readyz")
@@ -74,7 +69,7 @@ async def test_readyz_reports_a_broker_that_stopped_answering(make_container: Co
     assert after.json()["checks"]["bus"].startswith("error:")
 
 
-async def test_correlation_id_is_echoed_generated_or_refused(container: Container) -> None:
+async def test_correlation_id_is_echoed_generated_or_refused(container: OutboxContainer) -> None:
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         echoed = await client.get("/livez", headers={"X-Correlation-Id": "req-42"})
         generated = await client.get("/livez")
@@ -115,7 +110,7 @@ async def test_domain_errors_map_to_stable_status_codes() -> None:
     assert answers["invalid"].json()["detail"][0]["loc"] == ["body", "customer_id"]
 
 
-async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> None:
+async def test_admin_needs_a_token_and_the_admin_role(container: OutboxContainer) -> None:
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         anonymous = await client.get("/admin/outbox/pending")
         bad = await client.get("/admin/outbox/pending", headers={"Authorization": "Bearer not-a-jwt"})
@@ -142,7 +137,7 @@ async def test_admin_needs_a_token_and_the_admin_role(container: Container) -> N
     assert missing.status_code == 404
 
 
-async def test_a_token_whose_identity_holds_control_characters_is_401(container: Container) -> None:
+async def test_a_token_whose_identity_holds_control_characters_is_401(container: OutboxContainer) -> None:
     """A CRLF in the tenant or a NUL in the user would be stored in every row the request writes
     and copied into broker headers and log lines: the token is refused instead."""
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
@@ -168,7 +163,7 @@ async def test_a_token_whose_identity_holds_control_characters_is_401(container:
 
 
 async def test_readyz_masks_credentials_in_the_errors_it_shows(
-    container: Container, monkeypatch: pytest.MonkeyPatch
+    container: OutboxContainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def unreachable() -> None:
         raise ConnectionError("cannot reach postgresql+asyncpg://app:s3cret-pw@db.internal:5432/app")

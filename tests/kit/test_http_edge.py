@@ -25,18 +25,14 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
     SqlUnitOfWorkFactory,
 )
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import (
     authenticated,
     units_of_work,
 )
+from outbox_kit.testing.fixtures import live_server, token_for
 from outbox_kit.testing.harness import install_kit, record_effect
 from pydantic import BaseModel, Field
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 MIB = 1024 * 1024
@@ -75,7 +71,7 @@ def probe_router() -> APIRouter:
     return router
 
 
-def auth(container: Container, **claims: Any) -> dict[str, str]:
+def auth(container: OutboxContainer, **claims: Any) -> dict[str, str]:
     return {"Authorization": f"Bearer {token_for(container, **claims)}"}
 
 
@@ -112,13 +108,13 @@ async def raw_request(base: str, head: str, chunks: Iterable[bytes] = ()) -> tup
             await writer.wait_closed()
 
 
-def post_head(container: Container, *extra: str) -> str:
+def post_head(container: OutboxContainer, *extra: str) -> str:
     lines = ["POST /probe HTTP/1.1", "Host: test", "Content-Type: application/json", *extra]
     return "\r\n".join([*lines, *(f"{k}: {v}" for k, v in auth(container).items())]) + "\r\n\r\n"
 
 
 async def test_a_declared_length_over_the_limit_is_refused_before_any_body_arrives(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     await install_kit(container)
     async with live_server(container, with_worker=False, routers=[probe_router()]) as base:
@@ -126,7 +122,7 @@ async def test_a_declared_length_over_the_limit_is_refused_before_any_body_arriv
     assert code == 413
 
 
-async def test_a_chunked_body_is_counted_as_it_streams(container: Container) -> None:
+async def test_a_chunked_body_is_counted_as_it_streams(container: OutboxContainer) -> None:
     """No Content-Length: the edge counts while the body arrives and answers once it passes the
     limit, without waiting for the rest (the client here would send 4 MiB and never finish)."""
     await install_kit(container)
@@ -181,7 +177,7 @@ async def test_a_head_that_trickles_in_is_cut_within_the_header_time_limit(make_
     assert normal.status_code == 200
 
 
-async def test_a_refused_value_is_echoed_as_a_short_prefix(container: Container) -> None:
+async def test_a_refused_value_is_echoed_as_a_short_prefix(container: OutboxContainer) -> None:
     """A body just under the limit with one huge invalid value: the 422 names the field and
     shows the start of the value, not the megabyte."""
     await install_kit(container)
@@ -201,7 +197,7 @@ async def test_a_refused_value_is_echoed_as_a_short_prefix(container: Container)
     assert len(missing.content) < 1024
 
 
-def long_token(container: Container, length: int) -> str:
+def long_token(container: OutboxContainer, length: int) -> str:
     """A correctly signed admin token padded to about ``length`` characters."""
     secret = container.settings().auth.jwt_secret.get_secret_value()
     now = datetime.now(UTC)
@@ -212,7 +208,7 @@ def long_token(container: Container, length: int) -> str:
 
 
 async def test_an_over_long_token_is_refused_without_being_decoded(
-    container: Container, monkeypatch: pytest.MonkeyPatch
+    container: OutboxContainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decoded: list[int] = []
     real_decode = jwt.decode
@@ -233,7 +229,7 @@ async def test_an_over_long_token_is_refused_without_being_decoded(
     assert len(token) not in decoded
 
 
-async def test_a_token_whose_times_are_not_integers_is_401(container: Container) -> None:
+async def test_a_token_whose_times_are_not_integers_is_401(container: OutboxContainer) -> None:
     """PyJWT reads exp with int(): "9999999999" and 1e308 (a token that never expires) passed."""
     secret = container.settings().auth.jwt_secret.get_secret_value()
     now = int(datetime.now(UTC).timestamp())
@@ -271,7 +267,7 @@ UNSTORABLE = {
 
 @pytest.mark.parametrize("case", UNSTORABLE)
 async def test_text_no_database_stores_alike_is_422_on_every_database(
-    container: Container, case: str
+    container: OutboxContainer, case: str
 ) -> None:
     """SQLite stored these and PostgreSQL failed with 500: both now refuse them at the edge,
     before any handler runs, for every route (the probe is unknown to the edge)."""
@@ -288,7 +284,7 @@ async def test_text_no_database_stores_alike_is_422_on_every_database(
     assert await kit.effects() == []
 
 
-async def test_escapes_that_look_alike_but_are_valid_text_pass(container: Container) -> None:
+async def test_escapes_that_look_alike_but_are_valid_text_pass(container: OutboxContainer) -> None:
     """A surrogate *pair* is one character (an emoji), and an escaped backslash before ``u0000``
     is the literal text ``\\u0000``: both are ordinary strings and are stored."""
     kit = await install_kit(container)
@@ -316,7 +312,7 @@ BODIES = {
 
 
 async def test_non_finite_numbers_anywhere_in_a_json_body_are_422_on_every_database(
-    container: Container,
+    container: OutboxContainer,
 ) -> None:
     """Python's JSON parser reads NaN, Infinity and 1e400 (as inf), and the 422 that echoed the
     value could not encode it: a 500 and a traceback. The edge refuses them on every route that
@@ -342,7 +338,7 @@ async def test_non_finite_numbers_anywhere_in_a_json_body_are_422_on_every_datab
     assert await kit.effects() == ["NaN Infinity 1e400", "y"]
 
 
-async def test_an_offset_past_any_page_is_422_on_every_database(container: Container) -> None:
+async def test_an_offset_past_any_page_is_422_on_every_database(container: OutboxContainer) -> None:
     headers = auth(container, roles=("outbox-admin",))
     async with (
         live_server(container, with_worker=False) as base,

@@ -109,6 +109,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from sqlalchemy.ext.asyncio import AsyncEngine
+
 from outbox_kit.application.handlers import Consumer, Handler
 from outbox_kit.application.messages import (
     IntegrationEvent,
@@ -146,9 +148,10 @@ from outbox_kit.processor.processor import (
     SourceSettings,
 )
 from outbox_kit.runtime.container import (
+    OutboxContainer,
     source_settings,
 )
-from outbox_kit.testing.fixtures import longest_delivery, make_settings
+from outbox_kit.testing.fixtures import ContainerBuilder, longest_delivery, make_settings
 from outbox_kit.testing.harness import FakeClock
 from outbox_kit.transports.bus import (
     Delivered,
@@ -157,14 +160,8 @@ from outbox_kit.transports.bus import (
 from outbox_kit.transports.envelope import (
     Envelope,
 )
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
-)
-
-pytestmark = [pytest.mark.reliability, pytest.mark.slow, pytest.mark.postgres]
+__all__ = ["test_the_relay_protocol_keeps_its_invariants"]  # what a service's test module imports
 T = TypeVar("T")
 
 LEASE_SECONDS = 30.0
@@ -333,7 +330,7 @@ class World:
     container on the test database with the consumer registered, the clock and the bus."""
 
     runner: asyncio.Runner
-    container: Container
+    container: OutboxContainer
     clock: FakeClock
     bus: RecordingBus
     deliverer: OutboxDeliverer
@@ -381,13 +378,14 @@ def recording_handler(refusing: set[str]) -> Handler[ModelStepV1]:
         assert isinstance(uow, SqlUnitOfWork)
         await uow.session.exec(sa.insert(EFFECTS).values(label=event.label))
         if event.label in refusing:
-            raise ConsumerRefusedError(f"the consumer refused {event.label}")
+            msg = f"the consumer refused {event.label}"
+            raise ConsumerRefusedError(msg)
 
     return handler
 
 
 @contextmanager
-def open_world(database_url: str) -> Iterator[World]:
+def open_world(build: ContainerBuilder, database_url: str) -> Iterator[World]:
     clock = FakeClock()
     outbox = {
         "lease_seconds": LEASE_SECONDS,
@@ -400,7 +398,7 @@ def open_world(database_url: str) -> Iterator[World]:
         # of this for it: short, yet long enough for the releases on a loaded machine.
         "shutdown_timeout_seconds": 2.0,
     }
-    container = build_container(make_settings(database_url, outbox=outbox))
+    container = build(make_settings(database_url, outbox=outbox))
     container.clock.override(providers.Object(clock))  # units of work, pipeline, replay
     container.registry().register(ModelStepV1)
     refusing: set[str] = set()
@@ -746,9 +744,11 @@ class ProtocolModel(RuleBasedStateMachine):
         now = self.clock.now
         taken_seqs, expected_seqs = [self.rows[i].seq for i in taken], [self.rows[i].seq for i in expected]
         lines = [f"{name} claimed rows {taken_seqs}, the model expected {expected_seqs}"]
-        for row_id in taken:
-            if row_id not in expected and (why := blocker(self.rows, self.rows[row_id], now)):
-                lines.append(f"  {self.rows[row_id]} was taken although {why}")
+        lines += [
+            f"  {self.rows[row_id]} was taken although {why}"
+            for row_id in taken
+            if row_id not in expected and (why := blocker(self.rows, self.rows[row_id], now))
+        ]
         for row_id in expected:
             row = self.rows[row_id]
             dead = earlier_dead_letters(self.rows, row)
@@ -988,7 +988,8 @@ class ProtocolModel(RuleBasedStateMachine):
             where = f"{expected}: the table holds {actual.outcome()}, the model {expected.outcome()}"
             stale = self.stale_writes.get(row_id)
             assert stale is None, f"{stale} landed although another token held the row ({where})"
-            raise AssertionError(f"the table and the model disagree on {where}")
+            msg = f"the table and the model disagree on {where}"
+            raise AssertionError(msg)
         self.stale_writes.clear()  # refused, as they must be
 
     @invariant()
@@ -1096,7 +1097,8 @@ class ProtocolModel(RuleBasedStateMachine):
             while drainer.name in self.cycles:
                 self._resolve(drainer, Verdict.DELIVER)
             self._check_invariants()
-        raise AssertionError(f"still pending after draining: {[str(r) for r in self._rows_in(PENDING)]}")
+        msg = f"still pending after draining: {[str(r) for r in self._rows_in(PENDING)]}"
+        raise AssertionError(msg)
 
     async def _abandon_cycles(self) -> None:
         """Whatever a failed run left running must not outlive it (the loop is shared)."""
@@ -1117,7 +1119,12 @@ def bound_to(world: World) -> type[ProtocolModel]:
     return RelayProtocol
 
 
+@pytest.mark.reliability
+@pytest.mark.slow
+@pytest.mark.postgres
 @pytest.mark.timeout(900)  # a failure is shrunk for up to 300 s (Hypothesis's limit) after it is found
-def test_the_relay_protocol_keeps_its_invariants(postgres_url: str) -> None:
-    with open_world(postgres_url) as world:
+def test_the_relay_protocol_keeps_its_invariants(
+    postgres_url: str, container_builder: ContainerBuilder
+) -> None:
+    with open_world(container_builder, postgres_url) as world:
         run_state_machine_as_test(bound_to(world), settings=SETTINGS)

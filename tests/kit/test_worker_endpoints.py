@@ -5,34 +5,32 @@ scraped over HTTP); without one it serves nothing and says so; a taken port is o
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory, free_port, make_settings
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-    build_container,
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    ContainerFactory,
+    free_port,
+    get,
+    live_server,
+    make_settings,
+    service_argv,
+    service_env,
+    service_process,
+    wait_for,
 )
 
-from ..conftest import live_server
-
 pytestmark = pytest.mark.integration
-PROJECT = Path(__file__).resolve().parents[2]
-PACKAGE = "{{ cookiecutter.package_name }}"
 # Loops that sleep at most 0.2 s (idle or not), watched with a half-second timeout.
 POLL, LIVENESS_TIMEOUT = 0.2, 1.0
 QUICK_LIVENESS: dict[str, dict[str, Any]] = {
@@ -41,63 +39,10 @@ QUICK_LIVENESS: dict[str, dict[str, Any]] = {
 }
 
 
-def service_env(database_url: str, **extra: str) -> dict[str, str]:
-    clean = {k: v for k, v in os.environ.items() if "__" not in k}
-    return clean | {"DATABASE__URL": database_url, "LOGGING__LEVEL": "INFO"} | extra
-
-
 def worker_process(
     database_url: str, *arguments: str, **env: str
 ) -> AbstractContextManager[subprocess.Popen[str]]:
     return service_process(database_url, "worker", *arguments, **env)
-
-
-@contextmanager
-def service_process(database_url: str, *arguments: str, **env: str) -> Iterator[subprocess.Popen[str]]:
-    """``python -m <package> <arguments>`` as a real process (stderr readable), stopped with SIGTERM
-    on exit (killed if it does not stop within 30 s)."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", PACKAGE, *arguments],
-        cwd=PROJECT,
-        env=service_env(database_url, **env),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        yield process
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        if process.stderr is not None:
-            process.stderr.close()
-
-
-def get(url: str) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (a loopback URL)
-            return int(response.status), response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def wait_for(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"the worker exited with {process.returncode}: {process.stderr.read()}")  # type: ignore[union-attr]
-        try:
-            get(url)
-        except OSError:
-            time.sleep(0.1)
-            continue
-        return
-    raise AssertionError(f"{url} did not answer within {timeout} s")
 
 
 def test_a_worker_with_a_port_serves_its_probes_and_its_metrics(sqlite_url: str) -> None:
@@ -147,8 +92,7 @@ def test_a_port_already_taken_is_one_clear_line(sqlite_url: str, command: str) -
         taken.listen()
         port = taken.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "-m", PACKAGE, command, "--port", str(port)],
-            cwd=PROJECT,
+            [*service_argv(), command, "--port", str(port)],
             env=service_env(sqlite_url, ENVIRONMENT="development"),
             capture_output=True,
             text=True,
@@ -176,7 +120,7 @@ async def livez_until(client: httpx.AsyncClient, status: int, within: float = 15
 async def test_livez_fails_when_a_processor_loop_stops_turning(make_container: ContainerFactory) -> None:
     """A cycle that hangs (not one that fails: an outage is for /readyz) fails /livez once the
     liveness timeout passes; /livez recovers when the loop turns again."""
-    container: Container = make_container(**QUICK_LIVENESS)
+    container: OutboxContainer = make_container(**QUICK_LIVENESS)
     source = container.sources()[0]
     hang, release = asyncio.Event(), asyncio.Event()
     original = source.run_cycle
@@ -199,7 +143,7 @@ async def test_livez_fails_when_a_processor_loop_stops_turning(make_container: C
 
 
 async def test_a_failing_cycle_keeps_livez_up(make_container: ContainerFactory) -> None:
-    container: Container = make_container(**QUICK_LIVENESS)
+    container: OutboxContainer = make_container(**QUICK_LIVENESS)
     # well past the liveness timeout, counted in failed cycles rather than in seconds
     failures, enough = 0, 2 * len(container.sources()) * LIVENESS_TIMEOUT / POLL
     past_the_timeout = asyncio.Event()
@@ -220,7 +164,7 @@ async def test_a_failing_cycle_keeps_livez_up(make_container: ContainerFactory) 
 
 
 async def test_the_api_alone_has_no_loop_to_watch(make_container: ContainerFactory) -> None:
-    container: Container = make_container(**QUICK_LIVENESS)
+    container: OutboxContainer = make_container(**QUICK_LIVENESS)
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         await asyncio.sleep(LIVENESS_TIMEOUT + POLL)
         assert (await client.get("/livez")).json() == {"status": "ok"}
@@ -243,9 +187,7 @@ def test_a_worker_log_written_to_a_file_is_plain_text(sqlite_url: str, tmp_path:
         APPLICATION__NAMESPACE="plain-log-test",
     )
     with log_file.open("w") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", PACKAGE, "worker"], cwd=PROJECT, env=env, stderr=sink, text=True
-        )
+        process = subprocess.Popen([*service_argv(), "worker"], env=env, stderr=sink, text=True)
         deadline = time.monotonic() + 60
         while "worker started" not in log_file.read_text():
             assert process.poll() is None, log_file.read_text()
@@ -255,16 +197,15 @@ def test_a_worker_log_written_to_a_file_is_plain_text(sqlite_url: str, tmp_path:
         assert process.wait(timeout=30) == 0
     text = log_file.read_text()
     assert "\x1b" not in text
-    container = build_container(make_settings(sqlite_url))
-    if container.handlers().consumers:  # the example's consumers; a bare service has none
-        record = r"^\d{4}-\d\d-\d\d [\d:,]+ INFO +\S+\.faststream \[.*waiting for messages"
-        assert re.search(record, text, re.MULTILINE), text
+    # The kit's service has one consumer (outbox_kit.testing.processes.harness_service).
+    record = r"^\d{4}-\d\d-\d\d [\d:,]+ INFO +\S+\.faststream \[.*waiting for messages"
+    assert re.search(record, text, re.MULTILINE), text
 
 
 async def test_http_metrics_count_requests_per_route(make_container: ContainerFactory) -> None:
     """Per route, method and status, in the service's registry; probes and the scrape are not
     counted. Two apps on one container (as tests build them) share the metrics."""
-    container: Container = make_container()
+    container: OutboxContainer = make_container()
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         for _ in range(2):
             assert (await client.get("/asyncapi")).status_code == 200

@@ -10,19 +10,15 @@ from typing import Any
 
 import httpx
 import pytest
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import live_server, token_for
 from outbox_kit.testing.harness import insert_rows, row, state
-
-from {{ cookiecutter.package_name }}.container import (
-    Container,
-)
-
-from ..conftest import live_server, token_for
-from .test_topology_and_cli import cli
+from test_topology_and_cli import cli
 
 pytestmark = pytest.mark.integration
 
 
-async def seed(container: Container) -> dict[str, uuid.UUID]:
+async def seed(container: OutboxContainer) -> dict[str, uuid.UUID]:
     """A dead letter of acme, one of globex, one without a tenant, and a pending globex row."""
     now = container.clock()()
     dead = {"dead_lettered_on": now, "dead_letter_reason": "retries_exhausted", "retry_count": 5}
@@ -39,7 +35,7 @@ async def seed(container: Container) -> dict[str, uuid.UUID]:
     return dict(zip(names, ids, strict=True))
 
 
-def as_caller(container: Container, tenant: str, role: str) -> dict[str, str]:
+def as_caller(container: OutboxContainer, tenant: str, role: str) -> dict[str, str]:
     return {
         "Authorization": f"Bearer {token_for(container, tenant=tenant, user=f'{tenant}-ops', roles=(role,))}"
     }
@@ -55,7 +51,7 @@ async def look(client: httpx.AsyncClient, ids: dict[str, uuid.UUID]) -> dict[str
     return {"listed": sorted(d["last_error"] for d in listed), "pending": pending, "explain": explained}
 
 
-async def test_an_admin_sees_and_replays_only_its_own_tenant(container: Container) -> None:
+async def test_an_admin_sees_and_replays_only_its_own_tenant(container: OutboxContainer) -> None:
     ids = await seed(container)
     async with (
         live_server(container, with_worker=False) as base,
@@ -80,7 +76,7 @@ async def test_an_admin_sees_and_replays_only_its_own_tenant(container: Containe
     assert (await state(container, ids["acme"])).dead_lettered_on is None
 
 
-async def test_the_operator_role_sees_and_replays_every_tenant(container: Container) -> None:
+async def test_the_operator_role_sees_and_replays_every_tenant(container: OutboxContainer) -> None:
     ids = await seed(container)
     async with (
         live_server(container, with_worker=False) as base,
@@ -114,7 +110,7 @@ async def test_the_operator_role_is_a_setting(make_container: Any) -> None:
     assert ids
 
 
-async def test_the_cli_is_an_operator_tool_with_an_optional_tenant_filter(container: Container) -> None:
+async def test_the_cli_is_an_operator_tool_with_an_optional_tenant_filter(container: OutboxContainer) -> None:
     ids = await seed(container)
     url = container.settings().database.url
 
@@ -136,7 +132,9 @@ async def test_the_cli_is_an_operator_tool_with_an_optional_tenant_filter(contai
     assert (await state(container, ids["globex"])).dead_lettered_on is not None
 
 
-async def test_explain_names_a_blocking_row_of_another_tenant_only_to_operators(container: Container) -> None:
+async def test_explain_names_a_blocking_row_of_another_tenant_only_to_operators(
+    container: OutboxContainer,
+) -> None:
     """Ordering keys may cross tenants: the admin learns that its row waits, not which row."""
     now = container.clock()()
     blocker, waiting = await insert_rows(

@@ -8,20 +8,14 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import subprocess
-import sys
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.application.messages import (
-    IntegrationEvent,
-)
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -30,8 +24,8 @@ from outbox_kit.persistence.unit_of_work import (
     notify_channel,
 )
 from outbox_kit.processor.processor import PostgresListener
-from outbox_kit.runtime.container import build_listener, build_registry
-from outbox_kit.testing.fixtures import acting_as, eventually, fetch
+from outbox_kit.runtime.container import OutboxContainer, build_listener
+from outbox_kit.testing.fixtures import acting_as, eventually, fetch, service_argv
 from outbox_kit.testing.harness import (
     Counter,
     Counters,
@@ -48,10 +42,7 @@ from outbox_kit.testing.harness import (
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from {{ cookiecutter.package_name }}.container import Container, build_modules
-
 pytestmark = pytest.mark.integration
-PROJECT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_producer_only_host_persists_without_dispatching(make_container: Any) -> None:
@@ -72,7 +63,9 @@ async def test_a_producer_only_host_persists_without_dispatching(make_container:
     assert (await state(producer, written.id)).processed_on is not None
 
 
-async def test_a_database_failure_while_recording_an_outcome_is_not_charged(container: Container) -> None:
+async def test_a_database_failure_while_recording_an_outcome_is_not_charged(
+    container: OutboxContainer,
+) -> None:
     clock = FakeClock()
     (row_id,) = await insert_rows(container, [row("kit.a.v1", clock.now)])
     source = outbox_source(container, ScriptedDeliverer(), clock, lease_seconds=30)
@@ -218,8 +211,7 @@ async def test_a_server_that_drops_every_connection_is_retried_at_the_backoff_pa
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if "__" not in k} | {"DATABASE__URL": url}
     return subprocess.run(
-        [sys.executable, "-m", "{{ cookiecutter.package_name }}", "outbox", *args],
-        cwd=PROJECT,
+        [*service_argv(), "outbox", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -228,7 +220,7 @@ def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def test_the_outbox_cli_lists_explains_and_replays(container: Container) -> None:
+async def test_the_outbox_cli_lists_explains_and_replays(container: OutboxContainer) -> None:
     now = container.clock()()
     (dead,) = await insert_rows(
         container,
@@ -260,44 +252,7 @@ async def test_the_outbox_cli_lists_explains_and_replays(container: Container) -
     assert "Traceback" not in unknown.stderr
 
 
-def test_the_asyncapi_command_and_make_target_write_the_document(tmp_path: Path) -> None:
-    """``make asyncapi`` runs ``asyncapi --output asyncapi.json``; the command writes a document
-    with a channel for every integration event the service registers."""
-    make = shutil.which("make")
-    assert make is not None, "make is needed to run the project's targets"
-    dry_run = subprocess.run(
-        [make, "-n", "asyncapi"], cwd=PROJECT, capture_output=True, text=True, timeout=60, check=False
-    )
-    assert dry_run.returncode == 0, dry_run.stderr
-    assert "asyncapi --output asyncapi.json" in dry_run.stdout
-    target = tmp_path / "asyncapi.json"
-    env = {k: v for k, v in os.environ.items() if "__" not in k}
-    written = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "{{ cookiecutter.package_name }}",
-            "asyncapi",
-            "--output",
-            str(target),
-        ],
-        cwd=PROJECT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert written.returncode == 0, written.stderr
-    document = json.loads(target.read_text(encoding="utf-8"))
-    assert document["asyncapi"] == "3.0.0"
-    channels = {name: channel["address"] for name, channel in document["channels"].items()}
-    for event in build_registry(build_modules()).classes(IntegrationEvent):
-        key = event.message_name.replace(".", "_").replace("-", "_")
-        assert channels[key].endswith(event.message_name), f"{event.message_name} has no channel"
-
-
-async def test_the_outbox_cli_refuses_an_offset_past_any_page_in_one_line(container: Container) -> None:
+async def test_the_outbox_cli_refuses_an_offset_past_any_page_in_one_line(container: OutboxContainer) -> None:
     url = container.settings().database.url
     answer = await asyncio.to_thread(cli, url, "dead-letters", "--offset", str(2**63))
     assert answer.returncode == 2, answer.stderr
