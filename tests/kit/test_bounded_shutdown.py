@@ -49,33 +49,12 @@ BROKERS = [
 ]
 
 
-def plain_dsn(url: str) -> str:
-    """The SQLAlchemy URL as asyncpg takes it."""
-    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-
-
 @asynccontextmanager
 async def postgres_line(postgres_url: str) -> AsyncIterator[tuple[TcpProxy, str]]:
     """A line to the test's database that the test can freeze, and the URL through it."""
     url = make_url(postgres_url)
     async with tcp_proxy(url.host or "127.0.0.1", url.port or 5432) as proxy:
         yield proxy, url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
-
-
-async def until_answering(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
-    """Wait (without blocking this loop, which runs the proxy) until ``url`` answers 200."""
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient(timeout=5) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise AssertionError(f"exited with {process.returncode}: {process.stderr.read()}")  # type: ignore[union-attr]
-            try:
-                if (await client.get(url)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.1)
-    raise AssertionError(f"{url} did not answer 200 within {timeout} s")
 
 
 async def exits_within(process: subprocess.Popen[str], seconds: float) -> int | None:

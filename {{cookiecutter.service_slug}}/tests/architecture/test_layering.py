@@ -165,12 +165,16 @@ def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
 
 def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
     """The composition: the service's container and the kit's, ``__main__``, a context's
-    ``module.py`` (its adapters map), the adapters themselves, and the kit's broker test tooling."""
+    ``module.py`` (its adapters map), the adapters themselves, and the kit's test tooling."""
     parts = module.removeprefix(f"{package}.").split(".")
-    # The kit's test tooling reaches brokers raw on purpose (outbox_kit.testing.brokers).
-    composition = module in {f"{kit}.runtime.container", f"{kit}.testing.brokers"} or (
-        module.startswith(f"{package}.")
-        and (parts[0] in {"container", "__main__"} or (parts[0] == "contexts" and parts[-1] == "module"))
+    # The kit's test tooling (outbox_kit.testing) reaches brokers and adapters on purpose.
+    composition = (
+        module == f"{kit}.runtime.container"
+        or module.startswith(f"{kit}.testing.")
+        or (
+            module.startswith(f"{package}.")
+            and (parts[0] in {"container", "__main__"} or (parts[0] == "contexts" and parts[-1] == "module"))
+        )
     )
     return composition or is_adapter(package, module, kit)
 

@@ -80,6 +80,10 @@ MAY_PUBLISH = (
     "outbox_kit/consume/bus.py",  # the buses the processor publishes through (FastStream, in-process)
     *(f"outbox_kit/transports/{broker}.py" for broker in ("base", "rabbit", "kafka", "nats", "redis")),
     "outbox_kit/testing/brokers.py",  # test tooling: publishes hostile messages raw, past the service
+    # test tooling: the reliability tier publishes a duplicate on purpose, and the protocol model
+    # records the publishes of the bus it wraps
+    "outbox_kit/testing/reliability.py",
+    "outbox_kit/testing/protocol_model.py",
 )
 # Broker client libraries: imported by the transports only, so no other module can reach a
 # broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.

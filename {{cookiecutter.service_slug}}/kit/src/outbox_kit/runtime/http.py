@@ -547,7 +547,7 @@ def units_of_work(request: Request) -> UnitOfWorkFactory:
     """FastAPI dependency: the factory the composition root put on the app."""
     factory = getattr(request.app.state, "units_of_work", None)
     if not callable(factory):
-        msg = "app.state.units_of_work is not set; build the app with entrypoints.app.create_app"
+        msg = "app.state.units_of_work is not set; build the app with outbox_kit.runtime.app.create_app"
         raise TypeError(msg)
     return cast("UnitOfWorkFactory", factory)
 

@@ -441,10 +441,13 @@ def token_for(
     return container.tokens().mint(user_id=user, tenant_id=tenant, roles=roles)
 
 
-def service_argv(*arguments: str) -> list[str]:
-    """The command line of the kit's own service (``outbox_kit.runtime.cli`` on the kit's
-    container) with ``arguments``, as a process: ``python -m outbox_kit.testing.processes
-    service ...``; the kit's suite tests the commands on it."""
+def service_argv(*arguments: str, package: str | None = None) -> list[str]:
+    """A service's command line with ``arguments``, as a process: ``python -m <package> ...``,
+    or, without a package, the kit's own service (``python -m outbox_kit.testing.processes
+    service ...``: ``outbox_kit.runtime.cli`` on the kit's container), which the kit's suite
+    tests the commands on."""
+    if package is not None:
+        return [sys.executable, "-m", package, *arguments]
     return [sys.executable, "-m", "outbox_kit.testing.processes", "service", *arguments]
 
 
@@ -469,11 +472,13 @@ def service_env(database_url: str, **extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def service_process(database_url: str, *arguments: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+def service_process(
+    database_url: str, *arguments: str, package: str | None = None, **env: str
+) -> Iterator[subprocess.Popen[str]]:
     """:func:`service_argv` as a real process (stderr readable), stopped with SIGTERM on exit
     (killed if it does not stop within 30 s)."""
     process = subprocess.Popen(  # noqa: S603 (this interpreter, the test's own arguments)
-        service_argv(*arguments),
+        service_argv(*arguments, package=package),
         env=service_env(database_url, **env),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -518,3 +523,30 @@ def wait_for(url: str, process: subprocess.Popen[str], timeout: float = 60) -> N
         return
     msg = f"{url} did not answer within {timeout} s"
     raise AssertionError(msg)
+
+
+async def until_answering(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:  # noqa: ASYNC109
+    """Wait (without blocking this loop, which may run a proxy) until ``url`` answers 200; fail
+    when ``process`` exits first or after ``timeout`` seconds."""
+    import httpx  # noqa: PLC0415 (only the suites that serve need it)
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                stderr = process.stderr.read() if process.stderr is not None else ""
+                msg = f"exited with {process.returncode}: {stderr}"
+                raise AssertionError(msg)
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    msg = f"{url} did not answer 200 within {timeout} s"
+    raise AssertionError(msg)
+
+
+def plain_dsn(url: str) -> str:
+    """A SQLAlchemy PostgreSQL URL as asyncpg and libpq take it (no driver name)."""
+    return sa.engine.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
