@@ -29,8 +29,10 @@ from outbox_kit.testing.fixtures import (
     free_port,
     kit_container,
     make_settings,
+    plain_dsn,
     service_process,
     token_for,
+    until_answering,
 )
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 from outbox_kit.runtime.settings import (
     DEV_JWT_SECRET,

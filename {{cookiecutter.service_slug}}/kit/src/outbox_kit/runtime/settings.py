@@ -1,7 +1,7 @@
 """Every runtime knob of a service, read from the environment (nested with ``__``, no prefix)
 and ``.env``: the root, :class:`ServiceSettings`, and the sections the kit does not keep beside
 the component they configure (the database's, the bus's and the relay's are in
-``persistence.settings``, ``transports.settings`` and ``processor.settings``).
+``persistence.database``, ``transports.settings`` and ``processor.settings``).
 
 A service derives its ``Settings`` from :class:`ServiceSettings`, names itself
 (``service_slug``, ``service_name``, ``description``) and may add sections of its own. Reading
@@ -23,7 +23,7 @@ from typing import ClassVar, Self
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,

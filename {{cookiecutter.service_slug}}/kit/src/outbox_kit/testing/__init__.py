@@ -10,6 +10,11 @@ service code).
   allowlist).
 * The static call graph the rule walks (:class:`CallGraph` over a :func:`source_index`), for
   architecture rules of your own (where a publish or a subscribe may appear, say).
+
+And modules imported by name, since they need pytest or start processes: ``fixtures`` (the
+pytest plugin every suite loads with ``-p``), ``harness`` (the kit's test context), ``brokers``
+(raw broker access), ``reliability``, ``processes`` and ``protocol_model`` (the reliability tier
+a service runs on its own container), ``bench`` (the relay benchmark behind ``make bench``).
 """
 
 from outbox_kit.testing.callgraph import (

@@ -58,6 +58,12 @@ from outbox_kit.processor.settings import LEASE_MARGIN_FRACTION
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.settings import ServiceSettings
 
+# The kit's test modules a suite imports (the reliability tier): pytest rewrites their asserts as
+# it does a test file's, so a failure shows the values, not a bare AssertionError.
+pytest.register_assert_rewrite(
+    "outbox_kit.testing.reliability", "outbox_kit.testing.processes", "outbox_kit.testing.protocol_model"
+)
+
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
 SERVICE_URLS = {
     "postgres": os.environ.get("TEST_POSTGRES_URL", "postgresql+asyncpg://postgres@127.0.0.1:5432/postgres"),
