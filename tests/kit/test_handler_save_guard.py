@@ -1,6 +1,6 @@
 """The runtime guard: a handler that commits while the unit of work dispatches to it is refused.
 
-The static rule (``outbox_kit.testing.save_rule``) proves it before the code runs; this proves the
+The static rule (``outbox_kit.testing.rules``) proves it before the code runs; this proves the
 unit of work refuses it when it does run, on each dispatch path: a domain event delivered after
 commit, an internal command run by its processor, an integration event through the consume
 pipeline; and below the ORM, a Core transaction on the service's engine. A real database (SQLite

@@ -59,7 +59,7 @@ def test_a_worker_with_a_port_serves_its_probes_and_its_metrics(sqlite_url: str)
         while heartbeat not in get(f"{base}/metrics")[1]:
             assert time.monotonic() < deadline, get(f"{base}/metrics")[1]
             time.sleep(0.2)
-        assert get(f"{base}/orders")[0] == 404  # the worker serves no API
+        assert get(f"{base}/admin/outbox/pending")[0] == 404  # the worker serves no API (the API does)
         assert get(f"{base}/docs")[0] == 404
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=30) == 0

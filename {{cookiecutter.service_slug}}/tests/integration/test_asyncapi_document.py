@@ -11,10 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from outbox_kit.application.messages import IntegrationEvent
-from outbox_kit.runtime.container import build_registry
+from outbox_kit.public import IntegrationEvent
+from outbox_kit.testing.fixtures import make_settings
 
-from {{ cookiecutter.package_name }}.container import build_modules
+from {{ cookiecutter.package_name }}.container import build_container
 
 pytestmark = pytest.mark.integration
 PROJECT = Path(__file__).resolve().parents[2]
@@ -52,6 +52,7 @@ def test_the_asyncapi_command_and_make_target_write_the_document(tmp_path: Path)
     document = json.loads(target.read_text(encoding="utf-8"))
     assert document["asyncapi"] == "3.0.0"
     channels = {name: channel["address"] for name, channel in document["channels"].items()}
-    for event in build_registry(build_modules()).classes(IntegrationEvent):
+    registry = build_container(make_settings("sqlite+aiosqlite:///unused.db")).registry()
+    for event in registry.classes(IntegrationEvent):
         key = event.message_name.replace(".", "_").replace("-", "_")
         assert channels[key].endswith(event.message_name), f"{event.message_name} has no channel"

@@ -12,10 +12,7 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.tables import (
-    IDEMPOTENCY_KEYS_TABLE,
-    OUTBOX_TABLE,
-)
+from outbox_kit.testing import IDEMPOTENCY_KEYS_TABLE, OUTBOX_TABLE
 from outbox_kit.testing.fixtures import fetch, live_server, token_for
 
 from {{ cookiecutter.package_name }}.container import (

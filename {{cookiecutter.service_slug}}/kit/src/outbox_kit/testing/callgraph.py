@@ -18,7 +18,7 @@ attributes, ``self.x: T``, properties), constructor injection (``self.x = x`` wi
 
 The call graph: ``CallGraph.edges(function)`` lists what one function can reach (calls,
 references, context managers entered), each target resolved by the inference; the rules that
-walk it (``save_rule``) state their limits.
+walk it (``rules``) state their limits.
 
 What it reads: What the call graph reads: the scanned packages' source (modules, classes, functions), the
 values a name can hold, scopes and edges, and the few facts taken from the running process.

@@ -1,4 +1,10 @@
-"""The "handlers do not save" rule, and its report.
+"""The architecture rules a service runs over its own code and the kit's: handlers do not save
+(:class:`SaveRule`), and the outbox's fitness rules (:class:`FitnessRules`: only the outbox
+publishes, every consumer goes through the inbox, integration events are named for good, an
+ordered event is an aggregate's). A service's architecture tests are a few lines around them,
+with its allowlist and its golden list of message names.
+
+The "handlers do not save" rule, and its report.
 
 What the handlers-do-not-save rule reports: each violation with the chain of calls from the
 handler to the save (file and line of every hop), each allowlisted save with its reason, and how
@@ -66,14 +72,20 @@ Limits (what this rule cannot see; the runtime guard still catches commits of th
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib
 import inspect
+import re
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from outbox_kit.application.handlers import Module, collect_adapters
+from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
+from outbox_kit.domain import AggregateRoot, DomainEvent, validate_event_name
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.testing.callgraph import (
     Callee,
@@ -83,6 +95,9 @@ from outbox_kit.testing.callgraph import (
     External,
     FunctionRef,
     FunctionSource,
+    Instance,
+    Scope,
+    own_nodes,
     source_index,
     type_name,
 )
@@ -418,3 +433,319 @@ def service_save_rule(
         sinks=(*KIT_SINKS, *sinks),
         depth=depth,
     )
+
+
+# -- the outbox's fitness rules ------------------------------------------------------------------
+#
+# * Only the outbox processor publishes: no code outside the kit's ``processor/deliverers.py``,
+#   the buses it publishes through and the transports themselves (dead-letter copies included;
+#   ``MAY_PUBLISH`` lists each file with its reason) touches ``.publish``/``.publish_batch``, and
+#   only the transports import a broker client library, so every integration event leaves
+#   through the outbox.
+# * Every integration event has a stable, versioned, unique name, declared on the class itself
+#   (never inherited, never the Python qualname), and is registered so its rows can be read back.
+#   The names are pinned in a golden list: a new name is added there on purpose, and a listed
+#   name that is neither declared nor upcast any more (a rename, a deleted class) is reported,
+#   because stored rows and other services' consumers still carry it.
+# * Every consumer goes through the inbox pipeline: only the transports subscribe to a broker,
+#   each subscription's handler is the consume wrapper's ``handler_for``, both buses reach
+#   ``ConsumePipeline.consume``, and only the pipeline calls a consumer's handler.
+# * Every event that declares an ordering key (``ordered=True``) is an aggregate's event. The
+#   ordering key is the ``aggregate_id``, so: a domain event with ``ordered=True`` is constructed
+#   only as the argument of ``<aggregate>._raise(...)`` inside an ``AggregateRoot`` subclass (and
+#   is raised somewhere); an integration event with ``ordered=True`` keeps the ``aggregate_id``
+#   field and every construction passes ``aggregate_id=`` explicitly, because a missing one makes
+#   ``ordering_key()`` None and the event silently unordered.
+
+PUBLISH = frozenset({"publish", "publish_batch"})
+SUBSCRIBE = frozenset({"subscriber", "subscribe"})
+_BROKERS = ("base", "rabbit", "kafka", "nats", "redis")
+TRANSPORTS = tuple(f"{KIT_PACKAGE}/transports/{broker}.py" for broker in _BROKERS)
+# Where ``.publish`` may appear, each for a reason; anywhere else it bypasses the outbox.
+MAY_PUBLISH = (
+    f"{KIT_PACKAGE}/processor/deliverers.py",  # the outbox processor's deliverer: the one publisher
+    f"{KIT_PACKAGE}/transports/bus.py",  # the MessageBus port; outbox off, in-process only
+    f"{KIT_PACKAGE}/consume/bus.py",  # the buses the processor publishes through
+    *TRANSPORTS,
+    # test tooling: hostile messages published raw, a duplicate on purpose, a recording bus
+    f"{KIT_PACKAGE}/testing/",
+)
+# Broker client libraries: imported by the transports only, so no other module can reach a
+# broker by another name (``basic_publish``, ``xadd``, ``send_and_wait``) either.
+BROKER_CLIENTS = frozenset(
+    {"faststream", "aio_pika", "aiormq", "pamqp", "nats", "redis", "aiokafka", "kafka", "pika"}
+)
+# The test tooling reads each broker raw (leftovers, dead-letter copies); it is no transport.
+MAY_IMPORT_BROKER_CLIENTS = (*TRANSPORTS, f"{KIT_PACKAGE}/testing/brokers.py")
+MAY_SUBSCRIBE = (f"{KIT_PACKAGE}/consume/", *TRANSPORTS)
+CALLS_CONSUMER_HANDLERS = (f"{KIT_PACKAGE}/consume/inbox.py",)
+
+
+@dataclass(frozen=True)
+class Site:
+    """A place in the source: ``<package>/<path>:<line>: <code>``."""
+
+    path: str
+    line: int
+    text: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.text}"
+
+
+def pinned_names(paths: Iterable[Path]) -> dict[str, str]:
+    """A golden list of message names (one per line, ``#`` comments): name -> the file that lists
+    it."""
+    pinned: dict[str, str] = {}
+    for path in paths:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            name = line.strip()
+            if name and not name.startswith("#"):
+                pinned[name] = path.name
+    return pinned
+
+
+def golden_list_problems(registry: MessageRegistry, pinned: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """(registered names not pinned, pinned names nothing reads any more: no class declares them
+    and no upcaster reads them)."""
+    unpinned = sorted(set(registry.names) - set(pinned))
+    stranded = sorted(f"{name} ({where})" for name, where in pinned.items() if not registry.is_known(name))
+    return unpinned, stranded
+
+
+class FitnessRules:
+    """The outbox's fitness rules over ``graph`` (a service's package and the kit, or any pair
+    of packages laid out like them: ``kit`` names the kit's package in the allowed paths). Each
+    rule returns what breaks it, one readable line each: an empty list is a pass."""
+
+    def __init__(self, graph: CallGraph, *, kit: str = KIT_PACKAGE) -> None:
+        self.graph = graph
+        self.kit = kit
+
+    def _allowed(self, paths: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(path.replace(f"{KIT_PACKAGE}/", f"{self.kit}/", 1) for path in paths)
+
+    def relative(self, path: Path) -> str:
+        """``<package>/<path in it>`` for a file of one of the graph's packages."""
+        for package in self.graph.index.packages:
+            folder = self.graph.index.modules[package].path.parent
+            if path.is_relative_to(folder):
+                return f"{package}/{path.relative_to(folder).as_posix()}"
+        return path.as_posix()
+
+    # -- only the outbox processor publishes
+
+    def attribute_sites(self, names: frozenset[str], *, called: bool = False) -> Iterator[Site]:
+        """Every ``x.<name>`` of the packages (only as a call's target when ``called``)."""
+        for module in self.graph.index.modules.values():
+            for node in ast.walk(module.tree):
+                target = (node.func if isinstance(node, ast.Call) else None) if called else node
+                if isinstance(target, ast.Attribute) and target.attr in names:
+                    yield Site(self.relative(module.path), target.lineno, ast.unparse(node)[:120])
+
+    def publishes_outside_the_outbox(self) -> list[str]:
+        return _outside(self.attribute_sites(PUBLISH), self._allowed(MAY_PUBLISH))
+
+    def broker_client_imports(self) -> Iterator[Site]:
+        for module in self.graph.index.modules.values():
+            for node in ast.walk(module.tree):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                if any(name.partition(".")[0] in BROKER_CLIENTS for name in names):
+                    yield Site(self.relative(module.path), node.lineno, ast.unparse(node)[:120])
+
+    def broker_clients_outside_the_transports(self) -> list[str]:
+        return _outside(self.broker_client_imports(), self._allowed(MAY_IMPORT_BROKER_CLIENTS))
+
+    def publishers(self) -> set[str]:
+        """The files that call ``.publish``: the processor's deliverer must be one."""
+        return {site.path for site in self.attribute_sites(PUBLISH, called=True)}
+
+    # -- every consumer goes through the inbox pipeline
+
+    def method_calls(self, names: frozenset[str]) -> Iterator[tuple[Scope, ast.Call]]:
+        """Every ``x.<name>(...)`` of the packages, with the scope it is made in."""
+        for module in self.graph.index.modules.values():
+            for node in _module_level_nodes(module.tree):
+                if _calls_method(node, names):
+                    yield Scope(module), node
+        for fn in list(self.graph.index.functions.values()):
+            for node in own_nodes(fn.node):
+                if _calls_method(node, names):
+                    yield self.graph.scope_of(fn), node
+
+    def _on_a_broker(self, scope: Scope, call: ast.Call) -> bool:
+        """False only when the receiver is known to be one of the packages' non-transport
+        classes (``wake.subscribe()``); a library object or an unknown receiver may be a broker."""
+        assert isinstance(call.func, ast.Attribute)  # noqa: S101 (a method call, by _calls_method)
+        receivers = self.graph.infer(call.func.value, scope)
+        own = [
+            self.graph.index.classes[value.type]
+            for value in receivers
+            if isinstance(value, Instance | ClassRef) and value.type in self.graph.index.classes
+        ]
+        allowed = self._allowed(MAY_SUBSCRIBE)
+        transports = [cls for cls in own if self.relative(cls.module.path).startswith(allowed)]
+        return not receivers or len(own) < len(receivers) or bool(transports)
+
+    def subscriptions(
+        self, names: frozenset[str], *, skip: tuple[str, ...] = ()
+    ) -> Iterator[tuple[Site, ast.Call]]:
+        """Calls that may subscribe to a broker, except in the ``skip`` paths."""
+        for scope, call in self.method_calls(names):
+            path = self.relative(scope.module.path)
+            if not path.startswith(skip) and self._on_a_broker(scope, call):
+                yield Site(path, call.lineno, ast.unparse(call)[:120]), call
+
+    def subscriptions_outside_the_transports(self) -> list[str]:
+        return [str(site) for site, _ in self.subscriptions(SUBSCRIBE, skip=self._allowed(MAY_SUBSCRIBE))]
+
+    def subscriptions_not_wrapped(self) -> tuple[int, list[str]]:
+        """(how many broker subscriptions there are, those whose handler is not the consume
+        wrapper's ``handler_for``)."""
+        subscribed = list(self.subscriptions(frozenset({"subscribe"})))
+        unwrapped = [
+            str(site)
+            for site, call in subscribed
+            if not any(
+                isinstance(a, ast.Call) and ast.unparse(a.func).endswith(".handler_for") for a in call.args
+            )
+        ]
+        return len(subscribed), unwrapped
+
+    def reaches(self, start: str, target: str, depth: int = 4) -> bool:
+        """Whether the function named ``start`` (dotted) calls a function named ``target``
+        within ``depth`` calls."""
+        first = self.graph.index.functions[start]
+        seen, queue = {first.key}, deque([(first, 0)])
+        while queue:
+            fn, level = queue.popleft()
+            for edge in self.graph.edges(fn):
+                if edge.callee.name == target:
+                    return True
+                nxt = edge.callee.function
+                if nxt is not None and nxt.key not in seen and level < depth:
+                    seen.add(nxt.key)
+                    queue.append((nxt, level + 1))
+        return False
+
+    def consumer_handlers_called_outside_the_pipeline(self) -> list[str]:
+        sites = self.attribute_sites(frozenset({"handler"}), called=True)
+        return _outside(sites, self._allowed(CALLS_CONSUMER_HANDLERS))
+
+    # -- integration events: stable, versioned, unique names
+
+    def source_classes(self, base: type[Any]) -> list[type[Any]]:
+        """Every subclass of ``base`` defined in the packages' source (registered or not), but
+        the kit's test tooling (its messages are registered by the tests that use them)."""
+        wanted = type_name(base)
+        found: list[type[Any]] = []
+        for key, cls in self.graph.index.classes.items():
+            if key.startswith(f"{self.kit}.testing."):
+                continue
+            if key != wanted and wanted in self.graph.ancestors(key):
+                module = importlib.import_module(cls.module.name)
+                path = key.removeprefix(f"{module.__name__}.").split(".")
+                found.append(cast("type[Any]", functools.reduce(getattr, path, module)))
+        return found
+
+    def event_name_problems(self, registry: MessageRegistry) -> tuple[list[str], list[str]]:
+        """(integration events without a declared, versioned, registered name; names used
+        twice)."""
+        events = self.source_classes(IntegrationEvent)
+        problems: list[str] = []
+        for event in events:
+            where = f"{event.__module__}.{event.__qualname__}"
+            if not event.has_name():
+                problems.append(f"{where} declares no name (class X(IntegrationEvent, name='ctx.x.v1'))")
+                continue
+            validate_event_name(event.message_name)
+            if registry.names.get(event.message_name) is not event:
+                problems.append(f"{where} ({event.message_name}) is not in any module's messages")
+            version = re.search(r"V(\d+)$", event.__name__)
+            if version and not event.message_name.endswith(f".v{version.group(1)}"):
+                problems.append(f"{where} is version {version.group(1)} but named {event.message_name}")
+        names = [event.message_name for event in events if event.has_name()]
+        return problems, sorted({name for name in names if names.count(name) > 1})
+
+    # -- ordered events are an aggregate's events
+
+    def _constructions(self, classes: set[str]) -> Iterator[tuple[FunctionSource, ast.Call, str]]:
+        """Every ``Cls(...)`` of the packages where ``Cls`` resolves to one of ``classes``."""
+        for fn in list(self.graph.index.functions.values()):
+            scope = self.graph.scope_of(fn)
+            for node in own_nodes(fn.node):
+                if isinstance(node, ast.Call):
+                    for value in self.graph.infer(node.func, scope):
+                        if isinstance(value, ClassRef) and value.type in classes:
+                            yield fn, node, value.type
+
+    def _raised_by_aggregates(self) -> set[int]:
+        """The argument nodes of ``x._raise(...)`` calls made inside AggregateRoot subclasses."""
+        aggregate = type_name(AggregateRoot)
+        raised: set[int] = set()
+        for fn in self.graph.index.functions.values():
+            owner = self.graph.scope_of(fn).owner
+            if owner is None or aggregate not in self.graph.ancestors(owner.key):
+                continue
+            for node in own_nodes(fn.node):
+                if _calls_method(node, frozenset({"_raise"})):
+                    raised |= {id(arg) for arg in node.args}
+        return raised
+
+    def _ordered(self, base: type[Any]) -> set[str]:
+        return {type_name(cls) for cls in self.source_classes(base) if cls.ordered}
+
+    def _where(self, fn: FunctionSource, node: ast.AST) -> str:
+        return f"{self.relative(fn.module.path)}:{getattr(node, 'lineno', fn.line)} in {fn.key}"
+
+    def ordered_domain_event_problems(self) -> tuple[list[str], list[str]]:
+        """(ordered domain events built outside an aggregate's ``_raise``, ordered domain events
+        no aggregate raises)."""
+        events = self._ordered(DomainEvent)
+        raised = self._raised_by_aggregates()
+        found = list(self._constructions(events))
+        outside_aggregates = [
+            f"{event} built at {self._where(fn, call)}" for fn, call, event in found if id(call) not in raised
+        ]
+        never_raised = sorted(events - {event for _, call, event in found if id(call) in raised})
+        return outside_aggregates, never_raised
+
+    def ordered_integration_event_problems(self) -> tuple[list[str], list[str]]:
+        """(ordered integration events without an ``aggregate_id`` field, constructions that do
+        not pass ``aggregate_id=``)."""
+        events = self._ordered(IntegrationEvent)
+        classes = {type_name(cls): cls for cls in self.source_classes(IntegrationEvent)}
+        without_field = sorted(e for e in events if "aggregate_id" not in classes[e].model_fields)
+        without_key = [
+            f"{event} built without aggregate_id= at {self._where(fn, call)}"
+            for fn, call, event in self._constructions(events)
+            if not any(k.arg in {"aggregate_id", None} for k in call.keywords)
+        ]
+        return without_field, without_key
+
+
+def service_fitness(package: str) -> FitnessRules:
+    """The fitness rules as a service runs them: over its package and the kit."""
+    return FitnessRules(CallGraph(source_index((package, KIT_PACKAGE))))
+
+
+def _outside(sites: Iterator[Site], allowed: tuple[str, ...]) -> list[str]:
+    return [str(site) for site in sites if not site.path.startswith(allowed)]
+
+
+def _calls_method(node: ast.AST, names: frozenset[str]) -> TypeGuard[ast.Call]:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+
+
+def _module_level_nodes(tree: ast.Module) -> Iterator[ast.AST]:
+    pending: list[ast.AST] = [tree]
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            pending += ast.iter_child_nodes(node)
