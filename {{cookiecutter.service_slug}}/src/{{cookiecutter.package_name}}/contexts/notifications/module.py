@@ -24,5 +24,4 @@ def module() -> Module:
         routers=(router,),
         table_modules=(f"{__package__}.infrastructure",),
         adapters={Notifications: SqlNotifications},
-        examples=("curl -s {base}/notifications?order_id=<id> {auth}",),
     )
