@@ -135,7 +135,6 @@ DEPENDENCY_NAMES = frozenset(
         "docs",
         "build",
         "dist",
-        "bench",
     }
 )
 

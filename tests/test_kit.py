@@ -51,22 +51,47 @@ def test_the_kit_lints_type_checks_and_keeps_its_layers_on_its_own(kit_env: tupl
     assert "Contracts: 1 kept, 0 broken" in layers.stdout
 
 
-def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path]) -> None:
+SUITE = TEMPLATE / "tests" / "kit"
+SHARDS = 3
+
+
+def shard(number: int) -> list[Path]:
+    """The kit suite's files split into ``SHARDS`` parts of about the same size (largest first,
+    each to the lightest part), so the template's workers run them side by side."""
+    parts: list[list[Path]] = [[] for _ in range(SHARDS)]
+    sizes = [0] * SHARDS
+    for path in sorted(SUITE.glob("test_*.py"), key=lambda p: (-p.stat().st_size, p.name)):
+        lightest = sizes.index(min(sizes))
+        parts[lightest].append(path)
+        sizes[lightest] += path.stat().st_size
+    return sorted(parts[number])
+
+
+def test_the_shards_cover_the_suite_once() -> None:
+    files = [path for number in range(SHARDS) for path in shard(number)]
+    assert sorted(files) == sorted(SUITE.glob("test_*.py"))
+    assert len(set(files)) == len(files)
+
+
+@pytest.mark.parametrize("number", range(SHARDS))
+def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path], number: int) -> None:
     """``tests/kit/``: the framework's tests, run once here instead of in every bake, in the kit's
     environment (the template's has no kit), with no service's code: the kit's own container on
-    its own settings, the harness's context. Database and broker tests run where the services
-    answer (``REQUIRE_SERVICES=1`` passes through: CI fails instead of skipping)."""
+    its own settings, the harness's context, the kit's own service for the command line.
+    Database and broker tests run where the services answer (``REQUIRE_SERVICES=1`` passes
+    through: CI fails instead of skipping). In ``SHARDS`` parts, which the template's workers run
+    side by side."""
     _, bin_folder = kit_env
-    suite = TEMPLATE / "tests" / "kit"
+    files = shard(number)
     ran = check(
-        [str(bin_folder / "python"), "-m", "pytest", "-c", str(suite / "pytest.ini"), str(suite)],
-        suite,
+        [str(bin_folder / "python"), "-m", "pytest", "-c", str(SUITE / "pytest.ini"), *map(str, files)],
+        SUITE,
         timeout=1500,
     )
     print(ran.stdout[-2500:])  # what ran, what was skipped and why, the slowest
     passed = re.search(r"(\d+) passed", ran.stdout)
     assert passed is not None, ran.stdout
-    assert int(passed.group(1)) >= len(list(suite.glob("test_*.py")))  # none silently uncollected
+    assert int(passed.group(1)) >= len(files)  # none silently uncollected
 
 
 def kit_version() -> str:

@@ -28,9 +28,7 @@ import httpx
 import pytest
 from order_service.container import build_container
 from order_service.contexts.notifications import application as notifications
-from outbox_kit.testing.fixtures import SERVICE_URLS, make_settings
-
-from ..conftest import live_server, token_for
+from outbox_kit.testing.fixtures import SERVICE_URLS, live_server, make_settings, token_for
 
 ORDER = {"customer_id": "c-9", "lines": [{"sku": "PEN", "quantity": 3, "unit_price": "1.50"}]}
 ROOTS = ("kit/src/outbox_kit/", "src/order_service/")

@@ -9,7 +9,7 @@ import pytest
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.public import IntegrationEvent
-from outbox_kit.transports.asyncapi import asyncapi_document, public_server
+from outbox_kit.runtime.app import asyncapi_document, public_server
 from outbox_kit.transports.settings import MessageBusSettings
 
 pytestmark = pytest.mark.unit

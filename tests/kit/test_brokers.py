@@ -30,8 +30,7 @@ from outbox_kit.application.messages import (
     IntegrationEvent,
     MessageRegistry,
 )
-from outbox_kit.application.observability import Tracing
-from outbox_kit.application.otel import OpenTelemetryTracing
+from outbox_kit.application.observability import OpenTelemetryTracing, Tracing
 from outbox_kit.consume.inbox import current_delivery
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,

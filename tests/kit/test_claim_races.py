@@ -23,10 +23,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.operations.requests import (
-    EVERY_TENANT,
-)
 from outbox_kit.operations.rows import (
+    EVERY_TENANT,
     return_to_pending,
 )
 from outbox_kit.persistence.tables import (

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.testing import DEFAULT_DEPTH, DEFAULT_SINKS, Report, SaveRule, SinkSpec, Violation
-from outbox_kit.testing.save_rule import KIT_PACKAGE
+from outbox_kit.testing.rules import KIT_PACKAGE
 from save_fixtures import registry as fixtures
 
 pytestmark = pytest.mark.unit

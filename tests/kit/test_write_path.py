@@ -24,9 +24,9 @@ from outbox_kit.domain import (
 )
 from outbox_kit.persistence.database import (
     Database,
+    DatabaseSettings,
     HandlerMustNotSaveError,
 )
-from outbox_kit.persistence.settings import DatabaseSettings
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     InternalCommandRow,

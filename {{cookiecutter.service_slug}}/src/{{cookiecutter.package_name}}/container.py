@@ -11,7 +11,7 @@ import importlib
 
 from dependency_injector import providers
 from outbox_kit.application.handlers import Module, discover_modules, import_table_modules
-from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
+from outbox_kit.runtime.container import OutboxContainer
 
 from .settings import ServiceSettings, Settings
 
@@ -33,8 +33,3 @@ def build_container(settings: ServiceSettings | None = None) -> Container:
         settings=providers.Singleton(Settings) if settings is None else providers.Object(settings),
         modules=providers.Singleton(build_modules),
     )
-
-
-def startup_diagnostics(container: Container) -> None:
-    """Warn about configurations that silently lose or duplicate messages."""
-    warn_about_unsafe_configuration(container.settings(), container.units_of_work())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 from outbox_kit.runtime.settings import (
     DEV_JWT_SECRET,
@@ -32,13 +32,15 @@ from outbox_kit.transports.settings import (
     Transport,
 )
 
-from .about import SERVICE_SLUG
+from .about import DESCRIPTION, SERVICE_NAME, SERVICE_SLUG
 
 
 class Settings(ServiceSettings):
     """The root of every setting; the container builds one per process."""
 
     service_slug: ClassVar[str] = SERVICE_SLUG
+    service_name: ClassVar[str] = SERVICE_NAME
+    description: ClassVar[str] = DESCRIPTION
 
 
 __all__ = [

@@ -164,13 +164,17 @@ def is_adapter(package: str, module: str, kit: str = KIT) -> bool:
 
 
 def may_import_adapters(package: str, module: str, kit: str = KIT) -> bool:
-    """The composition: the service's container and the kit's, the entrypoints, a context's
-    ``module.py`` (its adapters map), the adapters themselves, and the kit's broker test tooling."""
+    """The composition: the service's container and the kit's, ``__main__``, a context's
+    ``module.py`` (its adapters map), the adapters themselves, and the kit's test tooling."""
     parts = module.removeprefix(f"{package}.").split(".")
-    # The kit's test tooling reaches brokers raw on purpose (outbox_kit.testing.brokers).
-    composition = module in {f"{kit}.runtime.container", f"{kit}.testing.brokers"} or (
-        module.startswith(f"{package}.")
-        and (parts[0] in {"container", "entrypoints"} or (parts[0] == "contexts" and parts[-1] == "module"))
+    # The kit's test tooling (outbox_kit.testing) reaches brokers and adapters on purpose.
+    composition = (
+        module == f"{kit}.runtime.container"
+        or module.startswith(f"{kit}.testing.")
+        or (
+            module.startswith(f"{package}.")
+            and (parts[0] in {"container", "__main__"} or (parts[0] == "contexts" and parts[-1] == "module"))
+        )
     )
     return composition or is_adapter(package, module, kit)
 
@@ -194,7 +198,7 @@ def test_only_the_composition_imports_concrete_adapters() -> None:
     violations = adapter_imports_outside_the_composition(PACKAGE)
 
     assert violations == [], (
-        "Only the containers (the service's and the kit's), the entrypoints and a context's module.py import "
+        "Only the containers (the service's and the kit's), __main__ and a context's module.py import "
         "adapters; depend on the port (a Protocol) and let module.py map it:\n" + "\n".join(violations)
     )
 
@@ -412,7 +416,7 @@ def test_every_import_linter_contract_can_break(tmp_path: Path) -> None:
         {
             "__init__.py": "",
             "container.py": "",
-            "entrypoints/__init__.py": "",
+            "__main__.py": "",
             "contracts/__init__.py": "",
             "settings.py": "",
             "about.py": "",

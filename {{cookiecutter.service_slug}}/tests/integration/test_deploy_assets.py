@@ -16,20 +16,34 @@ from typing import Any
 
 import pytest
 import yaml
-from outbox_kit.testing.fixtures import SERVICE_URLS, free_port, fresh_sqlite, make_settings
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    free_port,
+    fresh_sqlite,
+    get,
+    make_settings,
+    service_process,
+    wait_for,
+)
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from .test_worker_endpoints import get, service_process, wait_for, worker_process
-
 pytestmark = [pytest.mark.integration, pytest.mark.rabbitmq]  # FastStream's metrics need a broker
+PACKAGE = "{{ cookiecutter.package_name }}"
 PROJECT = Path(__file__).resolve().parents[2]
 DEPLOY = PROJECT / "deploy"
 METRIC = re.compile(r"\b((?:outbox|inbox|faststream|http)_[a-z0-9_]+)")
 GROUPING = re.compile(r"\b(?:by|without) \(([^)]*)\)")
 SERIES_SUFFIXES = ("_bucket", "_count", "_sum", "_created")
+
+
+def worker_process(
+    database_url: str, *arguments: str, **env: str
+) -> AbstractContextManager[subprocess.Popen[str]]:
+    """This service's ``worker`` as a real process (see ``service_process``)."""
+    return service_process(database_url, "worker", *arguments, package=PACKAGE, **env)
 
 
 def alert_expressions() -> list[str]:
@@ -86,7 +100,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory, sqlite_template: Path) -> 
 
 
 def api_process(database_url: str, port: int, **env: str) -> AbstractContextManager[subprocess.Popen[str]]:
-    return service_process(database_url, "api", "--port", str(port), **env)
+    return service_process(database_url, "api", "--port", str(port), package=PACKAGE, **env)
 
 
 def test_every_deploy_file_parses_and_kustomize_lists_every_manifest() -> None:

@@ -8,13 +8,11 @@ import asyncio
 
 import httpx
 import pytest
-from outbox_kit.testing.fixtures import SERVICE_URLS, make_settings
+from outbox_kit.testing.fixtures import SERVICE_URLS, live_server, make_settings, token_for
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 

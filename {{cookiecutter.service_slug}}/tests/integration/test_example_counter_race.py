@@ -12,9 +12,7 @@ from decimal import Decimal
 
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.tables import (
-    COMMAND_TABLE,
-)
+from outbox_kit.testing import COMMAND_TABLE
 from outbox_kit.testing.fixtures import acting_as, fetch, make_settings
 from outbox_kit.testing.harness import command_source
 from sqlmodel import select

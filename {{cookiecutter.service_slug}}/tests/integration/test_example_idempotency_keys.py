@@ -12,11 +12,8 @@ from typing import Any
 import httpx
 import pytest
 import sqlalchemy as sa
-from outbox_kit.persistence.tables import (
-    IDEMPOTENCY_KEYS_TABLE,
-    OUTBOX_TABLE,
-)
-from outbox_kit.testing.fixtures import fetch
+from outbox_kit.testing import IDEMPOTENCY_KEYS_TABLE, OUTBOX_TABLE
+from outbox_kit.testing.fixtures import fetch, live_server, token_for
 
 from {{ cookiecutter.package_name }}.container import (
     Container,
@@ -24,8 +21,6 @@ from {{ cookiecutter.package_name }}.container import (
 from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     ORDERS,
 )
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}

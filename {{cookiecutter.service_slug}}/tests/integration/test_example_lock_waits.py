@@ -10,18 +10,24 @@ import sqlite3
 import asyncpg
 import httpx
 import pytest
-from outbox_kit.testing.fixtures import free_port, make_settings
+from outbox_kit.testing.fixtures import (
+    free_port,
+    make_settings,
+    plain_dsn,
+    service_process,
+    token_for,
+    until_answering,
+)
 from sqlalchemy.engine import make_url
 
 from {{ cookiecutter.package_name }}.container import (
     build_container,
 )
 
-from ..conftest import token_for
-from .test_bounded_shutdown import JWT_SECRET, MARGIN, plain_dsn, until_answering
-from .test_worker_endpoints import service_process
-
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
+PACKAGE = "{{ cookiecutter.package_name }}"
+JWT_SECRET = "lock-wait-test-secret-0123456789abcdef0123"
+MARGIN = 15.0  # for a loaded machine: the answer must come, it is not a timing claim
 ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}
 UNAVAILABLE = {
     "detail": (
@@ -47,6 +53,7 @@ async def test_an_order_behind_a_table_lock_answers_503_within_the_statement_tim
             "api",
             "--port",
             str(port),
+            package=PACKAGE,
             AUTH__JWT_SECRET=JWT_SECRET,
             DATABASE__STATEMENT_TIMEOUT_SECONDS=str(statement_timeout),
         ) as process:
@@ -81,6 +88,7 @@ async def test_an_order_behind_a_sqlite_write_lock_answers_503_after_the_busy_ti
         "api",
         "--port",
         str(port),
+        package=PACKAGE,
         AUTH__JWT_SECRET=JWT_SECRET,
         DATABASE__SQLITE_BUSY_TIMEOUT_MS=str(busy_ms),
     ) as process:

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import jwt
 import pytest
-from outbox_kit.testing.fixtures import fetch
+from outbox_kit.testing.fixtures import fetch, live_server, token_for
 from sqlmodel import col, select
 
 from {{ cookiecutter.package_name }}.container import (
@@ -23,8 +23,6 @@ from {{ cookiecutter.package_name }}.contexts.orders.tables import (
     CustomerStatisticsRow,
     OrderSummaryRow,
 )
-
-from ..conftest import live_server, token_for
 
 pytestmark = pytest.mark.integration
 ORDER = {"customer_id": "c-1", "lines": [{"sku": "BOOK", "quantity": 2, "unit_price": "9.99"}]}

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
+from outbox_kit.runtime import cli
 from outbox_kit.testing.fixtures import create_postgres_database, drop_postgres_database, in_thread, run_async
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
-from {{ cookiecutter.package_name }}.entrypoints import (
-    migrations,
-)
+from {{ cookiecutter.package_name }}.__main__ import PROJECT_ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -36,24 +35,24 @@ def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[s
 
 
 def revisions() -> list[str]:
-    script = ScriptDirectory.from_config(migrations.alembic_config())
+    script = ScriptDirectory.from_config(cli.alembic_config(PROJECT_ROOT))
     return [r.revision for r in reversed(list(script.walk_revisions()))]
 
 
 def test_stairway_upgrade_downgrade_upgrade_each_revision(empty_database: str) -> None:
     previous = "base"
     for revision in revisions():
-        in_thread(migrations.upgrade, empty_database, revision)
-        in_thread(migrations.downgrade, empty_database, previous)
-        in_thread(migrations.upgrade, empty_database, revision)
+        in_thread(cli.upgrade, PROJECT_ROOT, empty_database, revision)
+        in_thread(cli.downgrade, PROJECT_ROOT, empty_database, previous)
+        in_thread(cli.upgrade, PROJECT_ROOT, empty_database, revision)
         previous = revision
 
 
 def test_models_and_migrations_agree(empty_database: str) -> None:
-    in_thread(migrations.upgrade, empty_database, "head")
-    in_thread(migrations.check, empty_database)
-    in_thread(migrations.downgrade, empty_database, "base")
-    in_thread(migrations.upgrade, empty_database, "head")
+    in_thread(cli.upgrade, PROJECT_ROOT, empty_database, "head")
+    in_thread(cli.check, PROJECT_ROOT, empty_database)
+    in_thread(cli.downgrade, PROJECT_ROOT, empty_database, "base")
+    in_thread(cli.upgrade, PROJECT_ROOT, empty_database, "head")
 
 
 async def stored_index_definitions(url: str) -> dict[str, str]:
@@ -72,7 +71,7 @@ async def stored_index_definitions(url: str) -> dict[str, str]:
 def test_partial_indexes_keep_their_predicates(empty_database: str) -> None:
     """``alembic check`` does not compare index predicates: a migration that lost a WHERE would
     pass it while the claim scans whole tables. Compare every partial index with the database."""
-    in_thread(migrations.upgrade, empty_database, "head")
+    in_thread(cli.upgrade, PROJECT_ROOT, empty_database, "head")
     stored = run_async(stored_index_definitions(empty_database))
     partial = [
         (index.name, str(where))
@@ -101,7 +100,7 @@ def command_line_copy(tmp_path: Path, *, drop_head: bool) -> tuple[Path, str]:
         shutil.copy(PROJECT / name, copy / name)
     shutil.copytree(PROJECT / "migrations", copy / "migrations", ignore=shutil.ignore_patterns("__pycache__"))
     if drop_head:
-        script = ScriptDirectory.from_config(migrations.alembic_config())
+        script = ScriptDirectory.from_config(cli.alembic_config(PROJECT_ROOT))
         head = script.get_revision(script.get_current_head())
         assert head is not None
         Path(copy / "migrations" / "versions" / Path(head.path).name).unlink()

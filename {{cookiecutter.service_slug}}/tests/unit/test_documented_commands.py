@@ -10,14 +10,15 @@ import shlex
 from pathlib import Path
 
 import pytest
+from outbox_kit.runtime.cli import build_parser
 
-from {{ cookiecutter.package_name }}.entrypoints.cli import (
-    build_parser,
+from {{ cookiecutter.package_name }}.settings import (
+    Settings,
 )
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGE = build_parser.__module__.partition(".")[0]
+PACKAGE = Settings.__module__.partition(".")[0]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CODE = re.compile(r"```[a-z]*\n(.*?)```|`([^`\n]+)`", re.DOTALL)
 SERVICE_COMMAND = re.compile(rf"python -m {PACKAGE}((?: [^\s`|#;)\\]+)*)")
@@ -59,7 +60,7 @@ def test_every_documented_service_command_parses(document: str, command: str) ->
     if not arguments or "..." in arguments:
         return  # "outbox ...": a family of commands, not one
     try:
-        build_parser().parse_args(arguments)
+        build_parser(Settings).parse_args(arguments)
     except SystemExit as refused:
         pytest.fail(f"{document}: `python -m {PACKAGE} {command}` is refused by the CLI ({refused})")
 

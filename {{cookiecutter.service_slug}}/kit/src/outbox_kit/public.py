@@ -37,9 +37,11 @@ from outbox_kit.consume.inbox import Delivery, current_delivery
 from outbox_kit.persistence.idempotency import IdempotencyKey, IdempotencyKeyReusedError, run_once
 from outbox_kit.persistence.repository import Repository
 from outbox_kit.persistence.tables import JSON_TYPE, upsert
-from outbox_kit.runtime.errors import STORABLE_TEXT, ErrorOut, error_responses
 from outbox_kit.runtime.http import (
+    STORABLE_TEXT,
+    ErrorOut,
     authenticated,
+    error_responses,
     idempotency_key,
     idempotent_response,
     require_role,

@@ -155,6 +155,10 @@ class Module:
     table_modules: Sequence[str] = field(default_factory=tuple)
     adapters: Mapping[type[Any], Adapter] = field(default_factory=dict)
     """Port (a Protocol the use cases ask ``uow.repository`` for) -> adapter class."""
+    examples: Sequence[str] = ()
+    """Calls a developer can try first, shown by the development banner: ``{base}`` is replaced
+    by the server's address, ``{auth}`` by the ``Authorization`` header of a development token
+    (nothing else is: a JSON body's braces stay as they are)."""
 
 
 def collect_adapters(modules: Sequence[Module]) -> dict[type[Any], Adapter]:

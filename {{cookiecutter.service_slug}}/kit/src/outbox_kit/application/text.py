@@ -30,8 +30,8 @@ Every URL the service logs or shows (the development banner, readiness errors, a
 a library's included) has its password masked by :func:`mask_credentials`:
 ``postgresql://app:***@db/app``. The user name stays (it says which account failed); a URL
 without a password is unchanged. :class:`CredentialMaskingFilter` applies it to every record a
-handler writes, message and traceback; ``entrypoints.logging_setup`` puts it on the process's
-one handler."""
+handler writes, message and traceback; ``outbox_kit.runtime.cli.configure_logging`` puts it on
+the process's one handler."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import sqlalchemy as sa
 
 from outbox_kit.application.observability import Clock
-from outbox_kit.operations.requests import (
+from outbox_kit.operations.rows import (
     EVERY_TENANT,
     MAX_OFFSET,
     MAX_PAGE,
@@ -27,11 +27,13 @@ from outbox_kit.operations.requests import (
     PendingCount,
     ReplayResult,
     TenantScope,
+    explain_row,
     one_source,
     parse_ids,
+    refuse_unless_replayable,
+    return_to_pending,
     sources_named,
 )
-from outbox_kit.operations.rows import explain_row, refuse_unless_replayable, return_to_pending
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import DeadLetterReplay
 from outbox_kit.persistence.unit_of_work import wake_replicas

@@ -23,7 +23,13 @@ from prometheus_fastapi_instrumentator import metrics as http_metrics
 
 from outbox_kit.application.handlers import HandlerRegistry, Module, collect_adapters
 from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.application.observability import NoTracing, RelayMetrics, Tracing, system_clock
+from outbox_kit.application.observability import (
+    NoTracing,
+    OpenTelemetryTracing,
+    RelayMetrics,
+    Tracing,
+    system_clock,
+)
 from outbox_kit.consume.bus import InProcessBus
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.operations.admin import RelayAdministration
@@ -199,8 +205,6 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
 
 def build_tracing(settings: ServiceSettings) -> Tracing:
     if settings.telemetry.tracing is TracingBackend.OTEL:
-        from outbox_kit.application.otel import OpenTelemetryTracing  # noqa: PLC0415 (an extra)
-
         return OpenTelemetryTracing(service_name=os.environ.get("OTEL_SERVICE_NAME") or settings.service_slug)
     return NoTracing()
 

@@ -76,7 +76,12 @@ from urllib.parse import parse_qsl
 
 import jwt
 from fastapi import FastAPI, Header, HTTPException, Request, Response, status
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -97,9 +102,11 @@ from outbox_kit.application.context import (
     validate_traceparent,
 )
 from outbox_kit.application.observability import Clock, NoTracing, Tracing
-from outbox_kit.application.text import is_plain_identifier, is_storable, shorten
+from outbox_kit.application.text import ECHO_LIMIT, is_plain_identifier, is_storable, shorten
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
-from outbox_kit.persistence.idempotency import Answer, IdempotencyKey
+from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
+from outbox_kit.persistence.database import is_database_outage, is_database_timeout, is_transient
+from outbox_kit.persistence.idempotency import Answer, IdempotencyKey, IdempotencyKeyReusedError
 
 # Far above any token this service mints (three short claims); a longer one is refused before
 # it is decoded, so an oversized header costs no base64 and JSON work.
@@ -540,7 +547,7 @@ def units_of_work(request: Request) -> UnitOfWorkFactory:
     """FastAPI dependency: the factory the composition root put on the app."""
     factory = getattr(request.app.state, "units_of_work", None)
     if not callable(factory):
-        msg = "app.state.units_of_work is not set; build the app with entrypoints.app.create_app"
+        msg = "app.state.units_of_work is not set; build the app with outbox_kit.runtime.app.create_app"
         raise TypeError(msg)
     return cast("UnitOfWorkFactory", factory)
 
@@ -581,3 +588,109 @@ def idempotent_response(answer: Answer) -> Response:
     return Response(
         answer.body, status_code=answer.status_code, media_type="application/json", headers=headers
     )
+
+
+# -- errors ------------------------------------------------------------------------------------------
+# Errors as answers: domain errors become JSON problems with stable codes (404, 409, 422), never
+# tracebacks; a validation error echoes at most a short prefix of what it refused.
+#
+# ``ErrorOut`` is the body of every error answer and ``error_responses`` documents them in the
+# OpenAPI document, so a client generated from it knows every status an operation can return.
+
+
+log = logging.getLogger(__name__)
+
+DATABASE_UNAVAILABLE = (
+    "the database did not answer in time (a lock held elsewhere, or the database is overloaded or "
+    "unreachable): nothing was changed, try again"
+)
+
+# A text field's pattern: no NUL (no database stores it alike; the edge refuses it, 422), so the
+# OpenAPI document says what the service accepts.
+STORABLE_TEXT = r"^[^\x00]*$"
+
+
+class ErrorOut(BaseModel):
+    """An error answer: ``detail`` says what was wrong (for a refused field, FastAPI's list of
+    ``{loc, msg, type}``), ``code`` is a domain error's stable code."""
+
+    detail: str | list[dict[str, Any]]
+    code: str | None = None
+
+
+WHY = {
+    400: "A refused X-Correlation-Id or traceparent header, or a request the operator can fix",
+    401: "No valid bearer token",
+    403: "The token lacks the role this operation needs",
+    404: "Not found (another tenant's row answers the same)",
+    408: "The request head or body did not arrive in time (API__HEADER/BODY_READ_TIMEOUT_SECONDS)",
+    409: "Conflict with the current state (a stale version, a transition not allowed)",
+    413: "The body is larger than API__MAX_BODY_BYTES",
+    422: (
+        "A field the service refuses (FastAPI's field errors, text no database stores alike, "
+        "or a non-finite number in a JSON body), or an Idempotency-Key already used for another "
+        "request"
+    ),
+    503: "The database did not answer in time (code database_unavailable): nothing was changed, try again",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with the :class:`ErrorOut` body."""
+    return {status_code: {"model": ErrorOut, "description": WHY[status_code]} for status_code in statuses}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Domain errors become JSON problems with stable codes, never tracebacks."""
+
+    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, DomainError)  # noqa: S101 (registered for DomainError only)
+        code = status.HTTP_409_CONFLICT
+        if isinstance(error, NotFoundError):
+            code = status.HTTP_404_NOT_FOUND
+        elif isinstance(error, IdempotencyKeyReusedError) or (
+            not isinstance(error, ConcurrencyError) and error.code == "invalid"
+        ):
+            code = status.HTTP_422_UNPROCESSABLE_CONTENT
+        if error.field is not None:  # shaped like FastAPI's own validation errors
+            detail = [{"loc": ["body", *error.field], "msg": error.message, "type": error.code}]
+            return JSONResponse({"detail": detail, "code": error.code}, status_code=code)
+        return JSONResponse({"detail": error.message, "code": error.code}, status_code=code)
+
+    async def validation_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)  # noqa: S101 (registered for it only)
+        detail = [_with_short_input(e) for e in jsonable_encoder(error.errors())]
+        return JSONResponse({"detail": detail}, status_code=status.HTTP_422_UNPROCESSABLE_CONTENT)
+
+    async def database_unavailable(request: Request, error: Exception) -> JSONResponse:
+        """A statement past the statement timeout, no pooled connection in time, the database
+        unreachable, or a conflict still there after ``uow.run``'s retries: the transaction was
+        rolled back, so the caller may simply try again (not a 500 and a traceback)."""
+        if not (is_database_outage(error) or is_database_timeout(error) or is_transient(error)):
+            raise error  # a real fault: the server's 500 and its traceback in the log
+        log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(error).__name__)
+        return JSONResponse(
+            {"detail": DATABASE_UNAVAILABLE, "code": "database_unavailable"},
+            status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+            headers={"Retry-After": "1"},
+        )
+
+    app.add_exception_handler(DomainError, domain_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    # OSError: asyncpg's own timeout on a silent line, and a refused connect, come out bare.
+    for database_error in (DBAPIError, PoolTimeoutError, OSError):
+        app.add_exception_handler(database_error, database_unavailable)
+
+
+def _with_short_input(error: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's validation error with ``input`` cut to a short prefix: a refused megabyte (or,
+    for a missing field, the whole body) is not sent back to the caller."""
+    if "input" not in error:
+        return error
+    return {**error, "input": short_echo(error["input"])}
+
+
+def short_echo(value: object) -> object:
+    """``value`` itself when its JSON form is short, else the start of that JSON form."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return value if len(text) <= ECHO_LIMIT else shorten(text)

@@ -1,5 +1,7 @@
-"""The HTTP server's configuration (from :class:`~outbox_kit.runtime.settings.ApiSettings`), with
-time limits for slow clients.
+"""Serving a service's processes: ``run`` (API and worker in one process), ``api``, and the
+worker (``run_worker``; with its probes, ``serve_worker``), each on a socket bound before anything
+starts, with uvicorn's configuration and its time limits for slow clients; and the development
+banner (what to try first, credentials masked).
 
 uvicorn bounds the idle time between two requests of a connection (``timeout_keep_alive``) and
 the size of a request head (h11's 16 KiB), but not the time a head takes to arrive: a client that
@@ -20,15 +22,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import signal
+import socket
+import sys
 from typing import TYPE_CHECKING, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from outbox_kit.application.text import mask_credentials
+from outbox_kit.runtime.app import (
+    FORCE_EXIT_STATE,
+    create_app,
+    create_worker_app,
+    startup_diagnostics,
+    stop_within_deadline,
+)
+
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from outbox_kit.runtime.settings import ApiSettings
+    from outbox_kit.runtime.container import OutboxContainer
+    from outbox_kit.runtime.settings import ApiSettings, ServiceSettings
+
+log = logging.getLogger(__name__)
 
 
 def _timeout_answer(seconds: float) -> bytes:
@@ -110,3 +128,94 @@ def server_config(app: FastAPI, api: ApiSettings, log_level: str) -> uvicorn.Con
         # Annotated int, but handed to asyncio.timeout, which takes any number of seconds.
         timeout_graceful_shutdown=cast("int", api.shutdown_timeout_seconds),
     )
+
+
+async def serve(container: OutboxContainer, listening: socket.socket, *, with_worker: bool) -> None:
+    """``run`` and ``api``: the API (and, for ``run``, the worker) on ``listening``."""
+    settings = container.settings()
+    app = create_app(container, with_worker=with_worker)
+    if settings.environment.value == "development":
+        base = f"http://{socket_host(listening)}:{bound_port(listening)}"
+        print_banner(container, base, with_worker=with_worker)
+    await serve_app(app, listening, settings)
+
+
+async def run_worker(container: OutboxContainer) -> None:
+    """The worker alone, with no HTTP endpoint, until SIGTERM or SIGINT; then a graceful stop
+    (processors first, then consumers and the connection) within a hard deadline."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # first: a stop asked for while starting is kept
+        loop.add_signal_handler(sig, stop.set)
+    log.info(
+        "worker: no HTTP endpoint (give it a port with --port or WORKER__PORT to serve "
+        "/livez, /readyz and /metrics)"
+    )
+    startup_diagnostics(container)
+    bus = container.bus()
+    await bus.start()
+    worker = container.worker()
+    await worker.start()
+    await stop.wait()
+    await stop_within_deadline(container, worker, force_exit=True)
+
+
+async def serve_worker(container: OutboxContainer, listening: socket.socket) -> None:
+    """The worker with its probes on ``listening``; the app's lifespan starts and stops it."""
+    base = f"http://{socket_host(listening)}:{bound_port(listening)}"
+    log.info("worker: /livez, /readyz and /metrics on %s", base)
+    await serve_app(create_worker_app(container), listening, container.settings())
+
+
+async def serve_app(app: FastAPI, listening: socket.socket, settings: ServiceSettings) -> None:
+    """Serve ``app`` with uvicorn on an already bound socket until SIGTERM or SIGINT, with the
+    time limits for slow clients (``API__HEADER_READ_TIMEOUT_SECONDS`` and the keep-alive).
+
+    After the signal, requests still running after ``API__SHUTDOWN_TIMEOUT_SECONDS`` are
+    cancelled (their transactions roll back), so one stuck on a lock or a silent dependency
+    cannot hold the process; then the lifespan stops the rest within its own deadline."""
+    server = uvicorn.Server(server_config(app, settings.api, settings.logging.level))
+    setattr(app.state, FORCE_EXIT_STATE, True)  # a process of its own: see ``app``
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
+    # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _already_stopped)
+    await server.serve(sockets=[listening])
+
+
+def _already_stopped(_signal: int, _frame: object) -> None:
+    """The server has already shut down gracefully when uvicorn re-raises the signal."""
+
+
+def bound_port(listening: socket.socket) -> int:
+    return int(listening.getsockname()[1])
+
+
+def socket_host(listening: socket.socket) -> str:
+    host = str(listening.getsockname()[0])
+    return f"[{host}]" if ":" in host else host
+
+
+def print_banner(container: OutboxContainer, base: str, *, with_worker: bool) -> None:
+    """What is running and what to try first (development mode only): every context's
+    ``examples``, or the service's own surface when no context has any."""
+    settings = container.settings()
+    package = type(settings).__module__.partition(".")[0]
+    token = f"TOKEN=$({sys.executable} -m {package} token --tenant acme --user alice --roles outbox-admin)"
+    auth = '-H "Authorization: Bearer $TOKEN"'
+    tries = [
+        e.replace("{base}", base).replace("{auth}", auth) for m in container.modules() for e in m.examples
+    ]
+    if not tries:
+        tries = [f"curl -s {base}/readyz", f"curl -s {base}/admin/outbox/pending {auth}"]
+    lines = [
+        (
+            f"{type(settings).service_name} on {base} ({'API + worker' if with_worker else 'API only'}; "
+            f"{mask_credentials(settings.database.url)}; transport {settings.message_bus.transport.value}; "
+            f"outbox {'on' if settings.message_bus.outbox_enabled else 'off'})."
+        ),
+        f"  Try:  {token}",
+        *(f"        {line}" for line in tries),
+        f"  Docs: {base}/docs   Metrics: {base}/metrics   AsyncAPI: {base}/asyncapi",
+    ]
+    print("\n".join(lines), file=sys.stderr, flush=True)

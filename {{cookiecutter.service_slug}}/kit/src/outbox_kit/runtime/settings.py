@@ -1,10 +1,11 @@
 """Every runtime knob of a service, read from the environment (nested with ``__``, no prefix)
 and ``.env``: the root, :class:`ServiceSettings`, and the sections the kit does not keep beside
 the component they configure (the database's, the bus's and the relay's are in
-``persistence.settings``, ``transports.settings`` and ``processor.settings``).
+``persistence.database``, ``transports.settings`` and ``processor.settings``).
 
 A service derives its ``Settings`` from :class:`ServiceSettings`, names itself
-(``service_slug``) and may add sections of its own. Reading the settings imports no HTTP server.
+(``service_slug``, ``service_name``, ``description``) and may add sections of its own. Reading
+the settings imports no HTTP server.
 
 Defaults (polling 2 s, processing delay 5 s, lease 300 s, five retries, backoff base 10 s, batch
 100, retention 7 days). The embedded default is a SQLite file and the in-process transport, so a
@@ -22,7 +23,7 @@ from typing import ClassVar, Self
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from outbox_kit.persistence.settings import DatabaseSettings
+from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
@@ -169,9 +170,12 @@ class ApiSettings(BaseModel):
 
 class ServiceSettings(BaseSettings):
     """The root of every setting; the container builds one per process. A service derives its
-    own, naming itself in ``service_slug`` (the default namespace and tracing's service name)."""
+    own and names itself: ``service_slug`` (the default namespace and tracing's service name),
+    ``service_name`` and ``description`` (the OpenAPI and AsyncAPI documents, the command line)."""
 
     service_slug: ClassVar[str] = "outbox-service"
+    service_name: ClassVar[str] = "Outbox service"
+    description: ClassVar[str] = "A service with a transactional outbox and inbox."
 
     model_config = SettingsConfigDict(
         env_file=".env",

@@ -18,7 +18,7 @@ attributes, ``self.x: T``, properties), constructor injection (``self.x = x`` wi
 
 The call graph: ``CallGraph.edges(function)`` lists what one function can reach (calls,
 references, context managers entered), each target resolved by the inference; the rules that
-walk it (``save_rule``) state their limits.
+walk it (``rules``) state their limits.
 
 What it reads: What the call graph reads: the scanned packages' source (modules, classes, functions), the
 values a name can hold, scopes and edges, and the few facts taken from the running process.
@@ -280,6 +280,12 @@ class _Indexer(ast.NodeVisitor):
         self.prefix, self.class_body, self.function = saved
 
 
+# The kit's test tooling is not code a handler of a service reaches: left out of the index, so a
+# name resolved by its method (``enqueue``, ``commit``) never lands on a test double's. A module
+# of it is still read when a handler lives there (the kit's own tests).
+TEST_TOOLING = "outbox_kit.testing"
+
+
 def _package_files(package: str) -> Iterator[tuple[str, Path, bool]]:
     spec = importlib.util.find_spec(package)
     if spec is None or (spec.origin is None and not spec.submodule_search_locations):
@@ -308,6 +314,8 @@ class SourceIndex:
         self.version = 0
         for package in self.packages:
             for name, path, is_package in _package_files(package):
+                if name == TEST_TOOLING or name.startswith(f"{TEST_TOOLING}."):
+                    continue
                 self.add_module(name, path, is_package=is_package)
 
     def add_module(self, name: str, path: Path, *, is_package: bool = False) -> ModuleSource | None:

@@ -24,14 +24,20 @@ fresh database gets its tables: the kit's models here, a service's migrations th
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
-import re
 import shutil
+import signal
 import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, cast
 from urllib.parse import urlparse
@@ -39,6 +45,7 @@ from urllib.parse import urlparse
 import pytest
 import sqlalchemy as sa
 from dependency_injector import providers
+from fastapi import APIRouter
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlmodel import SQLModel
 
@@ -51,12 +58,11 @@ from outbox_kit.processor.settings import LEASE_MARGIN_FRACTION
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.settings import ServiceSettings
 
-for _name in list(os.environ):
-    if re.match(
-        r"(ENVIRONMENT$|APPLICATION__|DATABASE__|MESSAGE_BUS__|OUTBOX__|INBOX__|AUTH__|API__|LOGGING__)",
-        _name,
-    ):
-        del os.environ[_name]
+# The kit's test modules a suite imports (the reliability tier): pytest rewrites their asserts as
+# it does a test file's, so a failure shows the values, not a bare AssertionError.
+pytest.register_assert_rewrite(
+    "outbox_kit.testing.reliability", "outbox_kit.testing.processes", "outbox_kit.testing.protocol_model"
+)
 
 REQUIRE_SERVICES = os.environ.get("REQUIRE_SERVICES") == "1"
 SERVICE_URLS = {
@@ -107,6 +113,17 @@ def require_service(name: str) -> None:
     if REQUIRE_SERVICES:
         pytest.fail(f"{message} and REQUIRE_SERVICES=1")
     pytest.skip(f"{message}: start it ({START_COMMANDS[name]}) or set TEST_{name.upper()}_URL")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hermeticity: the settings variables of the shell running the tests (``DATABASE__URL``,
+    ``ENVIRONMENT``...) are forgotten before any test builds settings. Only in a test run: a
+    process a test starts (``outbox_kit.testing.processes``) reads the variables it is given."""
+    del config
+    sections = tuple(f"{name.upper()}__" for name in ServiceSettings.model_fields)
+    for name in list(os.environ):
+        if name == "ENVIRONMENT" or name.startswith(sections):
+            del os.environ[name]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -305,6 +322,22 @@ def container_builder() -> Callable[[ServiceSettings], OutboxContainer]:
 
 
 ContainerFactory = Callable[..., OutboxContainer]
+ContainerBuilder = Callable[[ServiceSettings], OutboxContainer]
+# How a process of the test's own (``outbox_kit.testing.processes``) finds the suite's container.
+CONTAINER_VARIABLE = "OUTBOX_KIT_TEST_CONTAINER"
+
+
+def builder_path(build: ContainerBuilder) -> str:
+    """``module:function`` of a container builder, for a process to import it by."""
+    return f"{build.__module__}:{build.__qualname__}"
+
+
+def service_container(settings: ServiceSettings) -> OutboxContainer:
+    """In a test's process: the container ``OUTBOX_KIT_TEST_CONTAINER`` names (the kit's own
+    when it is unset), on ``settings``."""
+    module, _, name = os.environ.get(CONTAINER_VARIABLE, f"{__name__}:kit_container").partition(":")
+    build: ContainerBuilder = getattr(importlib.import_module(module), name)
+    return build(settings)
 
 
 @pytest.fixture
@@ -369,3 +402,157 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+# -- servers and processes -------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def live_server(
+    container: OutboxContainer, *, with_worker: bool = True, routers: Sequence[APIRouter] = ()
+) -> AsyncIterator[str]:
+    """The app on a real uvicorn server (lifespan included), on a free port of this loop, with
+    the configuration ``run`` and ``api`` serve with (time limits for slow clients included);
+    ``routers`` stand for a context a user adds later (the app's edge must cover it too)."""
+    import uvicorn  # noqa: PLC0415 (only the suites that serve need it)
+
+    from outbox_kit.runtime.app import create_app  # noqa: PLC0415
+    from outbox_kit.runtime.server import server_config  # noqa: PLC0415
+
+    app = create_app(container, with_worker=with_worker)
+    for router in routers:
+        app.include_router(router)
+    settings = container.settings()
+    config = server_config(app, settings.api, settings.logging.level)
+    config.host, config.port = "127.0.0.1", free_port()
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(200):
+            if server.started:
+                break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.05)
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 20)
+
+
+def token_for(
+    container: OutboxContainer, tenant: str = "acme", user: str = "alice", roles: tuple[str, ...] = ()
+) -> str:
+    """A bearer token the container's API accepts."""
+    return container.tokens().mint(user_id=user, tenant_id=tenant, roles=roles)
+
+
+def service_argv(*arguments: str, package: str | None = None) -> list[str]:
+    """A service's command line with ``arguments``, as a process: ``python -m <package> ...``,
+    or, without a package, the kit's own service (``python -m outbox_kit.testing.processes
+    service ...``: ``outbox_kit.runtime.cli`` on the kit's container), which the kit's suite
+    tests the commands on."""
+    if package is not None:
+        return [sys.executable, "-m", package, *arguments]
+    return [sys.executable, "-m", "outbox_kit.testing.processes", "service", *arguments]
+
+
+def service_env(database_url: str, **extra: str) -> dict[str, str]:
+    """A service process's environment: none of the test's settings variables; the database,
+    INFO logs, and what :func:`make_settings` gives a test (outbox and inbox on, signed
+    headers); then ``extra``."""
+    clean = {k: v for k, v in os.environ.items() if "__" not in k}
+    ((key_id, secret),) = TEST_SIGNING_KEYS.items()
+    return (
+        clean
+        | {
+            "DATABASE__URL": database_url,
+            "LOGGING__LEVEL": "INFO",
+            "MESSAGE_BUS__ENABLE_OUTBOX": "true",
+            "MESSAGE_BUS__ENABLE_INBOX": "true",
+            "MESSAGE_BUS__SIGNING_KEYS": f"{key_id}:{secret}",
+            "MESSAGE_BUS__SIGNING_KEY_ID": key_id,
+        }
+        | extra
+    )
+
+
+@contextmanager
+def service_process(
+    database_url: str, *arguments: str, package: str | None = None, **env: str
+) -> Iterator[subprocess.Popen[str]]:
+    """:func:`service_argv` as a real process (stderr readable), stopped with SIGTERM on exit
+    (killed if it does not stop within 30 s)."""
+    process = subprocess.Popen(  # noqa: S603 (this interpreter, the test's own arguments)
+        service_argv(*arguments, package=package),
+        env=service_env(database_url, **env),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stderr is not None:
+            process.stderr.close()
+
+
+def get(url: str) -> tuple[int, str]:
+    """``GET url``: status and body (an error status too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (a loopback URL)
+            return int(response.status), response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def wait_for(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Wait until ``url`` answers; fail when ``process`` exits first or after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            stderr = process.stderr.read() if process.stderr is not None else ""
+            msg = f"the process exited with {process.returncode}: {stderr}"
+            raise AssertionError(msg)
+        try:
+            get(url)
+        except OSError:
+            time.sleep(0.1)
+            continue
+        return
+    msg = f"{url} did not answer within {timeout} s"
+    raise AssertionError(msg)
+
+
+async def until_answering(url: str, process: subprocess.Popen[str], timeout: float = 60) -> None:  # noqa: ASYNC109
+    """Wait (without blocking this loop, which may run a proxy) until ``url`` answers 200; fail
+    when ``process`` exits first or after ``timeout`` seconds."""
+    import httpx  # noqa: PLC0415 (only the suites that serve need it)
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=5) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                stderr = process.stderr.read() if process.stderr is not None else ""
+                msg = f"exited with {process.returncode}: {stderr}"
+                raise AssertionError(msg)
+            try:
+                if (await client.get(url)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.1)
+    msg = f"{url} did not answer 200 within {timeout} s"
+    raise AssertionError(msg)
+
+
+def plain_dsn(url: str) -> str:
+    """A SQLAlchemy PostgreSQL URL as asyncpg and libpq take it (no driver name)."""
+    return sa.engine.make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)

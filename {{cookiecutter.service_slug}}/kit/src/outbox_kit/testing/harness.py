@@ -220,12 +220,17 @@ class Kit:
             return await effects(session)
 
 
-async def install_kit(container: OutboxContainer, *, create_tables: bool = True) -> Kit:
-    """Register the kit's messages and adapters on ``container`` and (re)create its tables."""
+def register_kit(container: OutboxContainer) -> None:
+    """Register the kit's messages and adapters on ``container`` (its tables aside)."""
     container.registry().register(Created, Incremented, Noted, CounterChangedV1, RecordEffect)
     adapters = dict(container.units_of_work().adapters)
     adapters[Counters] = SqlCounters
     container.units_of_work().adapters = adapters
+
+
+async def install_kit(container: OutboxContainer, *, create_tables: bool = True) -> Kit:
+    """Register the kit's messages and adapters on ``container`` and (re)create its tables."""
+    register_kit(container)
     if not create_tables:
         return Kit(container)
     engine = container.database().engine

@@ -53,7 +53,7 @@ class MessageBusSettings(BaseModel):
     redelivery_delay_seconds: float = Field(default=1.0, gt=0)
     database_outage_hold_seconds: float = Field(default=60.0, ge=0)
     # At least what the signed headers take at their own limits (1,530 bytes, names included;
-    # tests/unit/test_settings.py checks it): below that, an identity the API accepts could be
+    # the kit's test_settings.py checks it): below that, an identity the API accepts could be
     # dead-lettered as oversized_header by every consumer.
     max_header_bytes: int = Field(default=4096, ge=2048)
     publish_timeout_seconds: float = Field(default=10.0, gt=0)

@@ -1,1 +1,0 @@
-"""Benchmarks of the service (run with `make bench`)."""

@@ -1,0 +1,328 @@
+"""The command line of a service, ``python -m <package> <command>``: run, api, worker, migrate,
+token, outbox, asyncapi. A service's ``__main__`` calls :func:`main` with its settings type and
+its ``build_container``; everything else is here.
+
+Configuration errors (a refused combination of settings, a bad value, a port already taken)
+print one line per problem and exit with status 2 instead of a traceback.
+
+The outbox commands (pending, dead-letters, replay, explain) are an operator tool: they see
+every tenant unless ``--tenant`` narrows it, print JSON, and record a replay as
+``cli:<login name>`` by default.
+
+Logging is process-wide: readable lines by default, JSON lines with ``LOGGING__JSON_FORMAT``.
+The service logs values from outside (message ids, header values, error texts of rejected
+messages), so a record must not be able to forge another: in the text format every record is one
+line starting with its time, the rendered line has its control characters escaped (a newline in
+a message id cannot start a forged record, an ESC cannot repaint a terminal, a lone surrogate
+cannot break the write), and the lines of a traceback or stack follow it indented. Escaping
+there, once, covers every log call. The JSON format needs nothing more: ``json.dumps`` escapes
+control characters and surrogates inside each value. In both formats a URL's password is masked,
+in the message and in the traceback (``outbox_kit.application.text``).
+
+Migrations are the service's Alembic scripts: ``alembic.ini`` and ``migrations/`` of its project
+(``ALEMBIC_CONFIG``, the working directory, or the project root given to :func:`main`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import getpass
+import ipaddress
+import json
+import logging
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict
+from datetime import datetime
+from pathlib import Path
+from typing import TypeVar
+
+from alembic import command
+from alembic.config import Config
+from pydantic import ValidationError
+
+from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
+from outbox_kit.application.text import CredentialMaskingFilter
+from outbox_kit.operations.admin import RelayAdministration
+from outbox_kit.operations.rows import EVERY_TENANT, AdminError, TenantScope
+from outbox_kit.runtime.app import service_asyncapi
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.http import InvalidTokenError
+from outbox_kit.runtime.server import run_worker, serve, serve_worker
+from outbox_kit.runtime.settings import DEV_JWT_SECRET, LoggingSettings, ServiceSettings
+
+T = TypeVar("T")
+SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
+EXIT_CONFIG = 2
+
+
+class CliError(Exception):
+    """A problem the user can fix; printed as one line."""
+
+
+def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
+    settings = container.settings()
+    if settings.is_production:
+        msg = "token minting is a development helper and is refused in production"
+        raise CliError(msg)
+    roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
+    tokens = container.tokens()
+    token = tokens.mint(user_id=args.user, tenant_id=args.tenant, roles=roles)
+    try:
+        tokens.verify(token)  # the API's own checks: a token it would refuse is not printed
+    except InvalidTokenError as error:
+        raise CliError(str(error).removeprefix("invalid bearer token: ")) from None
+    print(token)
+
+
+def _asyncapi(args: argparse.Namespace, container: OutboxContainer) -> None:
+    document = json.dumps(service_asyncapi(container), indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as file:  # noqa: PTH123
+            file.write(document + "\n")
+    else:
+        print(document)
+
+
+def build_parser(settings_type: type[ServiceSettings]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"python -m {settings_type.__module__.partition('.')[0]}", description=settings_type.service_name
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("run", "API and worker in one process (the embedded default)"), ("api", "API only")):
+        serve = commands.add_parser(name, help=text)
+        serve.add_argument("--host", default=None, help="default API__HOST (127.0.0.1)")
+        serve.add_argument("--port", type=int, default=None, help="default API__PORT (8000)")
+    worker = commands.add_parser("worker", help="processors and consumers until SIGTERM")
+    worker.add_argument("--host", default=None, help="default WORKER__HOST (127.0.0.1)")
+    worker.add_argument(
+        "--port", type=int, default=None, help="serve /livez, /readyz, /metrics (default WORKER__PORT: none)"
+    )
+    migrate = commands.add_parser("migrate", help="apply the database migrations")
+    migrate.add_argument("--revision", default="head")
+    token = commands.add_parser("token", help="print a development JWT")
+    token.add_argument("--tenant", required=True)
+    token.add_argument("--user", required=True)
+    token.add_argument("--roles", default="")
+    asyncapi = commands.add_parser("asyncapi", help="print (or write) the AsyncAPI document")
+    asyncapi.add_argument("--output", default=None)
+    outbox = commands.add_parser("outbox", help="operate the outbox").add_subparsers(
+        dest="outbox_command", required=True
+    )
+    pending = outbox.add_parser("pending", help="count rows not yet delivered")
+    pending.add_argument("--source", default=None)
+    letters = outbox.add_parser("dead-letters", help="list dead letters, oldest first")
+    letters.add_argument("--source", default=None)
+    letters.add_argument("--offset", type=int, default=0)
+    letters.add_argument("--limit", type=int, default=50)
+    replay = outbox.add_parser("replay", help="return dead letters to the pending pool")
+    replay.add_argument("--source", default="outbox")
+    replay.add_argument(
+        "--actor",
+        default=f"cli:{login_name()}",
+        help="who replays, recorded with the replay (default: cli:<your login name>)",
+    )
+    replay.add_argument("ids", nargs="+")
+    explain = outbox.add_parser("explain", help="say why a row is or is not moving")
+    explain.add_argument("--source", default="outbox")
+    explain.add_argument("id")
+    for operation in (pending, letters, replay, explain):
+        operation.add_argument(
+            "--tenant", default=None, help="only this tenant's rows (default: every tenant)"
+        )
+    return parser
+
+
+def load_settings(settings_type: type[SettingsT]) -> SettingsT:
+    """The settings from the environment and ``.env``; a refused value is a :class:`CliError`
+    with one line per problem."""
+    try:
+        return settings_type()
+    except ValidationError as error:
+        lines = [
+            f"configuration error: {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+            for e in error.errors()
+        ]
+        raise CliError("\n".join(lines)) from None
+
+
+def run(
+    settings_type: type[SettingsT],
+    build_container: Callable[[SettingsT], OutboxContainer],
+    *,
+    project: Path,
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Run one command; ``project`` is the folder of the service's ``alembic.ini``."""
+    args = build_parser(settings_type).parse_args(argv)
+    settings = load_settings(settings_type)
+    configure_logging(settings.logging)
+    container = build_container(settings)
+    if args.command in ("run", "api"):
+        host = args.host or settings.api.host
+        port = settings.api.port if args.port is None else args.port
+        refuse_the_published_secret_beyond_loopback(settings, host)
+        listening = listening_socket(host, port)
+        asyncio.run(serve(container, listening, with_worker=args.command == "run"))
+    elif args.command == "worker":
+        port = settings.worker.port if args.port is None else args.port
+        if port is None:
+            asyncio.run(run_worker(container))
+        else:
+            listening = listening_socket(args.host or settings.worker.host, port)
+            asyncio.run(serve_worker(container, listening))
+    elif args.command == "migrate":
+        upgrade(project, settings.database.url, args.revision)
+    elif args.command == "token":
+        _token(args, container)
+    elif args.command == "asyncapi":
+        _asyncapi(args, container)
+    elif args.command == "outbox":
+        run_outbox_command(args, container)
+    return 0
+
+
+def main(
+    settings_type: type[SettingsT],
+    build_container: Callable[[SettingsT], OutboxContainer],
+    *,
+    project: Path,
+    argv: Sequence[str] | None = None,
+) -> None:
+    """A service's ``__main__``: :func:`run`, exiting with its status (2 for a :class:`CliError`,
+    printed as ``error: ...``)."""
+    try:
+        code = run(settings_type, build_container, project=project, argv=argv)
+    except CliError as error:
+        print(f"error: {error}", file=sys.stderr)
+        code = EXIT_CONFIG
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind before anything starts, so a port already taken is one clear line, not a banner
+    followed by a server's traceback."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family)  # SO_REUSEADDR, as uvicorn binds
+    except OSError as error:
+        reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
+        msg = f"cannot listen on {host}:{port}: {reason} (pass --port, or stop what listens there)"
+        raise CliError(msg) from None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
+        return False
+
+
+def refuse_the_published_secret_beyond_loopback(settings: ServiceSettings, host: str) -> None:
+    """The default JWT secret is in the template for everyone to read: with it, anyone could
+    mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
+    if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):
+        msg = (
+            f"AUTH__JWT_SECRET is the published development default, served on loopback only "
+            f"(anyone could mint tokens for it): set a secret of your own to listen on {host!r}"
+        )
+        raise CliError(msg)
+
+
+def _json_default(value: object) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value)
+
+
+def _print_json(data: object) -> None:
+    print(json.dumps(data, indent=2, default=_json_default))
+
+
+async def _with_admin(container: OutboxContainer, action: Callable[[RelayAdministration], Awaitable[T]]) -> T:
+    try:
+        return await action(container.admin())
+    except AdminError as error:
+        raise CliError(str(error)) from None
+    finally:
+        await container.database().dispose()
+
+
+def run_outbox_command(args: argparse.Namespace, container: OutboxContainer) -> None:
+    # An operator tool: every tenant unless --tenant narrows it.
+    scope = TenantScope(args.tenant) if args.tenant else EVERY_TENANT
+    if args.outbox_command == "pending":
+        counts = asyncio.run(_with_admin(container, lambda a: a.count_pending(args.source, scope=scope)))
+        _print_json([asdict(c) for c in counts])
+    elif args.outbox_command == "dead-letters":
+        letters = asyncio.run(
+            _with_admin(
+                container,
+                lambda a: a.list_dead_letters(args.source, offset=args.offset, limit=args.limit, scope=scope),
+            )
+        )
+        _print_json([asdict(d) for d in letters])
+    elif args.outbox_command == "replay":
+        result = asyncio.run(
+            _with_admin(container, lambda a: a.replay(args.source, args.ids, actor=args.actor, scope=scope))
+        )
+        _print_json(asdict(result))
+    elif args.outbox_command == "explain":
+        explanation = asyncio.run(
+            _with_admin(container, lambda a: a.explain(args.source, args.id, scope=scope))
+        )
+        _print_json(asdict(explanation))
+
+
+def login_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no login name (a container with an unnamed uid)
+        return "unknown"
+
+
+def configure_logging(settings: LoggingSettings) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(ContextFilter())
+    handler.addFilter(CredentialMaskingFilter())  # after the context: it reads the final message
+    handler.setFormatter(JsonFormatter() if settings.json_format else TextFormatter(TEXT_FORMAT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(settings.level.upper())
+
+
+def alembic_config(project: Path, database_url: str | None = None) -> Config:
+    """The service's ``alembic.ini`` (``ALEMBIC_CONFIG``, the working directory, or
+    ``project``), pointed at ``database_url`` when given."""
+    candidates = [os.environ.get("ALEMBIC_CONFIG"), "alembic.ini", str(project / "alembic.ini")]
+    path = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
+    if path is None:
+        msg = "alembic.ini not found: run from the project root or set ALEMBIC_CONFIG"
+        raise FileNotFoundError(msg)
+    config = Config(str(path))
+    config.set_main_option("script_location", str(path.parent / "migrations"))
+    if database_url:
+        config.attributes["database_url"] = database_url
+    return config
+
+
+def upgrade(project: Path, database_url: str | None = None, revision: str = "head") -> None:
+    """The service's migrations up to ``revision`` (``migrate`` and the test fixtures)."""
+    command.upgrade(alembic_config(project, database_url), revision)
+
+
+def downgrade(project: Path, database_url: str | None = None, revision: str = "base") -> None:
+    command.downgrade(alembic_config(project, database_url), revision)
+
+
+def check(project: Path, database_url: str | None = None) -> None:
+    """Raise when the models and the migrations disagree (``alembic check``)."""
+    command.check(alembic_config(project, database_url))

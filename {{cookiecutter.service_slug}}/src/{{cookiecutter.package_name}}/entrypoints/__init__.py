@@ -1,1 +1,0 @@
-"""How the service is started: the HTTP app, the worker, and the command line."""
