@@ -10,7 +10,7 @@ transport dead-letters the message at once and never retries it.
 
 The one consume pipeline every integration-event handler runs through.
 
-verify -> restore context -> open a unit of work -> stage the inbox row ``(message_id,
+verify -> restore context -> open a unit of work -> insert the inbox row ``(message_id,
 consumer)`` in it -> run the handler -> commit handler writes, inbox row and any new outbox rows
 together -> acknowledge.
 
@@ -25,8 +25,12 @@ together -> acknowledge.
   still finds its row. This holds only if inbox retention exceeds how late a message can
   legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
   Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
-* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
-  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
+* The inbox row is inserted first, by one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in the
+  handler's transaction (one round trip; a lookup and an insert at commit were two, and an ORM
+  flush). A copy consumed at the same moment waits on the row's key: when the first commits, the
+  copy's insert does nothing (a duplicate); when it rolls back, the copy inserts and runs.
+* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first) is
+  reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
   the message id, but the inbox row also keeps the SHA-256 of the signed body: a message under a
   processed id whose body differs is not a copy (a producer reusing ids, or a bug upstream), and
   skipping it would lose it silently. It raises :class:`RejectedMessageError`
@@ -52,7 +56,6 @@ from enum import Enum
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.context import current_context, restored
@@ -61,7 +64,7 @@ from outbox_kit.application.messages import MalformedPayloadError, MessageRegist
 from outbox_kit.application.observability import Clock, NoTracing, RelayMetrics, SpanKind, Tracing
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
-from outbox_kit.persistence.tables import INBOX_TABLE, InboxMessage
+from outbox_kit.persistence.tables import INBOX_TABLE, upsert
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
 
@@ -133,6 +136,7 @@ def decode(registry: MessageRegistry, consumer: Consumer[Any], event_name: str, 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
 INBOX = INBOX_TABLE
+RECEIPT_ATTEMPTS = 2
 
 
 class ConsumeOutcome(Enum):
@@ -207,38 +211,45 @@ class ConsumePipeline:
         return outcome
 
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
-        message_id, event_name = envelope.message_id, envelope.event_name
         digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
         async with self._units() as uow:
-            if self._inbox:
-                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
-                    return ConsumeOutcome.DUPLICATE
-                context = current_context()
-                uow.stage_inbox(
-                    InboxMessage(
-                        message_id=message_id,
-                        consumer=consumer.name,
-                        event_name=event_name,
-                        tenant_id=context.tenant_id,
-                        correlation_id=context.correlation_id,
-                        received_on=self._clock(),
-                        body_digest=digest,
-                    )
-                )
+            if self._inbox and not await self._first_receipt(uow.session, consumer.name, envelope, digest):
+                return ConsumeOutcome.DUPLICATE
             with handler_scope(handler_name(consumer.handler)):
                 await consumer.handler(message, uow)
-            try:
-                await uow.commit()
-            except IntegrityError:
-                if not self._inbox:
-                    raise
-                await uow.session.rollback()
-                # A racing consumer whose inbox row committed first, or a genuine constraint
-                # violation in the handler's own writes: only the first is a duplicate.
-                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
-                    return ConsumeOutcome.DUPLICATE
-                raise
+            # A racing copy cannot fail this commit: its insert waited on the row's key above.
+            await uow.commit()
         return ConsumeOutcome.CONSUMED
+
+    async def _first_receipt(
+        self, session: AsyncSession, consumer: str, envelope: Envelope, digest: str
+    ) -> bool:
+        """Insert the inbox row in the handler's transaction; False when ``consumer`` already has
+        this message (after the digest check of :meth:`_already_consumed`)."""
+        context = current_context()
+        row = {
+            "message_id": envelope.message_id,
+            "consumer": consumer,
+            "event_name": envelope.event_name,
+            "tenant_id": context.tenant_id,
+            "correlation_id": context.correlation_id,
+            "received_on": self._clock(),
+            "body_digest": digest,
+        }
+        for _ in range(RECEIPT_ATTEMPTS):
+            inserted = await session.exec(
+                upsert(session, INBOX)
+                .values(row)
+                .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
+                .returning(INBOX.c.message_id)
+            )
+            if inserted.first() is not None:
+                return True
+            if await self._already_consumed(session, envelope.message_id, consumer, digest):
+                return False
+            # Purged between the two statements (past its retention): insert it again.
+        msg = f"the inbox row of {envelope.message_id} for {consumer} could not be written"
+        raise RuntimeError(msg)
 
     @staticmethod
     async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:

@@ -9,7 +9,7 @@
 3. applies what a unit of work that delivers a message writes besides the handler's effects: the
    token-guarded processed stamp of the row it delivers (if another processor took the row, the
    stamp matches nothing and ``LeaseLostError`` rolls everything back, so a redelivery cannot
-   double an effect), or the inbox row of the message it consumes;
+   double an effect);
 4. commits, then removes exactly the captured events from the aggregates (events a handler
    raises meanwhile stay pending for the next save) and wakes the processor;
 5. hands the local domain-event rows it leased to the in-process delivery (:class:`AfterCommit`).
@@ -92,7 +92,6 @@ from outbox_kit.persistence.tables import (
     DOMAIN,
     INTEGRATION,
     OUTBOX_TABLE,
-    InboxMessage,
     LeaseLostError,
     LeaseStore,
 )
@@ -296,10 +295,9 @@ class Stamp:
 
 @dataclass
 class DeliveryRecords:
-    """The stamps and inbox rows one unit of work writes at commit."""
+    """The processed stamps one unit of work writes at commit."""
 
     stamps: list[Stamp] = field(default_factory=list)
-    inbox: list[InboxMessage] = field(default_factory=list)
 
     def stamp(self, store: LeaseStore, row_id: uuid.UUID, token: uuid.UUID) -> None:
         self.stamps.append(Stamp(store, row_id, token))
@@ -310,8 +308,6 @@ class DeliveryRecords:
             if not await stamp.store.stamp_processed(connection, [stamp.row_id], stamp.token, now):
                 msg = f"lease on {stamp.store.table.name} row {stamp.row_id} was lost"
                 raise LeaseLostError(msg)
-        for row in self.inbox:
-            session.add(row)
 
 
 class AfterCommit(Protocol):
@@ -407,7 +403,7 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
     """One business transaction on one session. ``async with uow:`` then ``await uow.commit()``.
 
     Implements the contexts' ``UnitOfWork`` and ``AdapterScope`` Protocols, and what only the
-    delivery machinery uses: the session, processed stamps and the inbox row.
+    delivery machinery uses: the session and processed stamps.
     """
 
     def __init__(self, factory: SqlUnitOfWorkFactory, *, depth: int = 0) -> None:
@@ -490,10 +486,6 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         """Mark a delivered row processed in this transaction (dispatcher and processors)."""
         self._records.stamp(store, row_id, token)
 
-    def stage_inbox(self, row: InboxMessage) -> None:
-        """Record a consumed message in this transaction (the consume pipeline)."""
-        self._records.inbox.append(row)
-
     @asynccontextmanager
     async def savepoint(self) -> AsyncIterator[None]:
         """A nested transaction; releasing it commits nothing and dispatches nothing. When the
@@ -512,7 +504,6 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
             "integration_events": self._integration_events,
             "commands": self._commands,
             "stamps": self._records.stamps,
-            "inbox": self._records.inbox,
         }
 
     # -- the save --------------------------------------------------------------------------
