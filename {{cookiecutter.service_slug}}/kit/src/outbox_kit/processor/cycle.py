@@ -257,10 +257,13 @@ class TableSource:
         # Handlers each hold a database session: no more at once than the pool has connections.
         handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
         started: set[uuid.UUID] = set()
+        stamps = self.outcomes.stamps
+        stamps.expect(len(rows))  # the batch's stamps wait for each other, not for the next batch
 
         async def process(row: ClaimedRow) -> bool:
             room = handlers if self._deliverer.needs_fresh_lease(row) else contextlib.nullcontext()
-            async with room, DeliverySlot(gate) as slot:  # a row waiting for room holds no slot
+            # A row waiting for room holds no slot; freeing the slot tells the stamp groups.
+            async with room, DeliverySlot(gate, stamps.delivery_ended) as slot:
                 started.add(row.id)
                 return await self._process(row, token, slot)
 
