@@ -316,9 +316,11 @@ class TableSource:
             traceparent=row.trace_context,
             attributes=attributes,
         ) as span:
-            # The delivery runs under this span: a published message carries it on.
-            traced = dataclasses.replace(row, trace_context=span.traceparent)
-            return await self._deliver(traced, token, span, slot)
+            # The delivery runs under this span: a published message carries it on (a copy of the
+            # row only when the span has a traceparent of its own: not with tracing off).
+            if span.traceparent != row.trace_context:
+                row = dataclasses.replace(row, trace_context=span.traceparent)
+            return await self._deliver(row, token, span, slot)
 
     def _needs_renewal(self, row: ClaimedRow) -> bool:
         """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal). A

@@ -75,6 +75,7 @@ if TYPE_CHECKING:
 from typing import TYPE_CHECKING
 
 from faststream import BaseMiddleware
+from faststream.prometheus.types import PublishingStatus
 
 log = logging.getLogger(__name__)
 TRUNCATED = "x-truncated"
@@ -442,8 +443,30 @@ class FastStreamTransport:
     # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
     metrics_middleware: Callable[..., Any]
 
+    # FastStream's publish metrics, for a publish that goes beneath the broker's middlewares.
+    _publish_metrics: Any = None
+
     def count_in(self, registry: CollectorRegistry) -> None:
-        self.broker.add_middleware(self.metrics_middleware(registry=registry))
+        middleware = self.metrics_middleware(registry=registry)
+        self.broker.add_middleware(middleware)
+        # The same counters the middleware keeps (``faststream_published_messages_*``; FastStream
+        # 0.7 names its manager privately, and test_brokers proves the counts still arrive).
+        self._publish_metrics = middleware._metrics_manager  # noqa: SLF001
+
+    def count_published(
+        self, broker: str, destination: str, seconds: float, error: BaseException | None
+    ) -> None:
+        """Record one publish as FastStream's middleware would have (names, labels, status)."""
+        metrics = self._publish_metrics
+        if metrics is None:
+            return
+        metrics.observe_published_message_duration(duration=seconds, broker=broker, destination=destination)
+        if error is not None:
+            metrics.add_published_message_exception(
+                broker=broker, destination=destination, exception_type=type(error).__name__
+            )
+        status = PublishingStatus.error if error is not None else PublishingStatus.success
+        metrics.add_published_message(broker=broker, destination=destination, status=status)
 
     def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
         self.broker.add_middleware(ConsumingOnly(self.telemetry_middleware(tracer_provider)))
