@@ -76,6 +76,7 @@ from typing import Any, Generic, Protocol, Self, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.sql.dml import ReturningInsert
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.context import CapturedContext, capture_context
@@ -271,19 +272,29 @@ class RelayWriter:
                 lock = sa.select(sa.func.pg_advisory_xact_lock(sa.func.hashtextextended(key, 0)))
                 await session.exec(lock)  # type: ignore[call-overload]
         written: list[WrittenRow] = []
+        last = capture.rows[-1]
         for row in capture.rows:
             statement = sa.insert(row.table).values(**row.values)
             if dialect != "postgresql":
                 # SQLite has no identity columns; its single writer makes max+1 safe.
                 next_seq = sa.select(sa.func.coalesce(sa.func.max(row.table.c.seq), 0) + 1)
                 statement = statement.values(seq=next_seq.scalar_subquery())
-            result = await session.exec(statement.returning(row.table.c.seq))
-            seq = int(result.scalar_one())
+            inserted: sa.Executable = statement.returning(row.table.c.seq)
+            if row is last and dialect == "postgresql" and capture.needs_wake:
+                inserted = self._and_wake(statement.returning(row.table.c.seq))
+            result = await session.exec(inserted)  # type: ignore[call-overload]
+            seq = int(result.one()[0])
             if row.leased:
                 written.append(WrittenRow(row.id, seq, row.ordering_key, capture.lock_token, row.message))
-        if dialect == "postgresql" and capture.needs_wake:
-            await session.exec(wake_replicas(self._channel))  # type: ignore[call-overload]
         return written
+
+    def _and_wake(self, insert: ReturningInsert[tuple[int]]) -> sa.Select[tuple[int, Any]]:
+        """The last insert and the replicas' wake in one round trip: ``WITH inserted AS (INSERT
+        ... RETURNING seq) SELECT seq, pg_notify(...) FROM inserted``, the same ``pg_notify`` as
+        :func:`wake_replicas` (delivered only if the transaction commits). A statement of its
+        own cost every commit a round trip."""
+        rows = insert.cte("inserted")
+        return sa.select(rows.c.seq, sa.func.pg_notify(self._channel, ""))
 
 
 @dataclass(frozen=True)
