@@ -171,6 +171,7 @@ class ConsumePipeline:
         self._inbox = inbox_enabled
         self._metrics = metrics
         self._clock = clock
+        self._receipts: dict[str, sa.Executable] = {}
 
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
@@ -192,7 +193,9 @@ class ConsumePipeline:
             attributes=attributes,
         ) as span:
             # What the handler enqueues carries this span: the trace goes on to the next hop.
-            context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
+            context = envelope.context
+            if span.traceparent != context.traceparent:
+                context = dataclasses.replace(context, traceparent=span.traceparent)
             with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
                 try:
                     outcome = await self._run(consumer, message, envelope)
@@ -236,13 +239,9 @@ class ConsumePipeline:
             "received_on": self._clock(),
             "body_digest": digest,
         }
+        statement = self._receipt_statement(session)
         for _ in range(RECEIPT_ATTEMPTS):
-            inserted = await session.exec(
-                upsert(session, INBOX)
-                .values(row)
-                .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
-                .returning(INBOX.c.message_id)
-            )
+            inserted = await session.exec(statement, params=row)  # type: ignore[call-overload]
             if inserted.first() is not None:
                 return True
             if await self._already_consumed(session, envelope.message_id, consumer, digest):
@@ -250,6 +249,22 @@ class ConsumePipeline:
             # Purged between the two statements (past its retention): insert it again.
         msg = f"the inbox row of {envelope.message_id} for {consumer} could not be written"
         raise RuntimeError(msg)
+
+    def _receipt_statement(self, session: AsyncSession) -> sa.Executable:
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once per dialect
+        and bound to each message's values (building it per message cost more than running it)."""
+        dialect = session.get_bind().dialect.name
+        statement = self._receipts.get(dialect)
+        if statement is None:
+            values = {column.name: sa.bindparam(column.name, type_=column.type) for column in INBOX.columns}
+            statement = (
+                upsert(session, INBOX)
+                .values(values)
+                .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
+                .returning(INBOX.c.message_id)
+            )
+            self._receipts[dialect] = statement
+        return statement
 
     @staticmethod
     async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:
