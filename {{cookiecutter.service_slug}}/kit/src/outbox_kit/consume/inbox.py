@@ -25,10 +25,14 @@ together -> acknowledge.
   still finds its row. This holds only if inbox retention exceeds how late a message can
   legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
   Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
-* The inbox row is inserted first, by one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in the
-  handler's transaction (one round trip; a lookup and an insert at commit were two, and an ORM
-  flush). A copy consumed at the same moment waits on the row's key: when the first commits, the
-  copy's insert does nothing (a duplicate); when it rolls back, the copy inserts and runs.
+* The inbox row is written by one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in the
+  handler's transaction. On PostgreSQL it comes first (one round trip; a lookup and an ORM insert
+  at commit were two): a copy consumed at the same moment waits on the row's key, and when the
+  first commits the copy's insert does nothing (a duplicate, its handler never runs); when it
+  rolls back, the copy inserts and runs. On SQLite a lookup comes first and the insert last,
+  after the handler: any write there takes the database's one write lock, which a slow handler
+  would otherwise hold; a copy that committed meanwhile makes the insert do nothing, and this
+  run rolls back as a duplicate.
 * A duplicate (already in the inbox, or a racing consumer whose inbox row committed first) is
   reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
   the message id, but the inbox row also keeps the SHA-256 of the signed body: a message under a
@@ -216,11 +220,25 @@ class ConsumePipeline:
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
         digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
         async with self._units() as uow:
-            if self._inbox and not await self._first_receipt(uow.session, consumer.name, envelope, digest):
-                return ConsumeOutcome.DUPLICATE
+            session = uow.session
+            # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
+            # receipt last, since any write takes the database's one write lock and a slow
+            # handler would hold it (every other writer of the service waiting behind it).
+            receipt_first = session.get_bind().dialect.name == "postgresql"
+            if self._inbox:
+                known = (
+                    not await self._first_receipt(session, consumer.name, envelope, digest)
+                    if receipt_first
+                    else await self._already_consumed(session, envelope.message_id, consumer.name, digest)
+                )
+                if known:
+                    return ConsumeOutcome.DUPLICATE
             with handler_scope(handler_name(consumer.handler)):
                 await consumer.handler(message, uow)
-            # A racing copy cannot fail this commit: its insert waited on the row's key above.
+            late_receipt = self._inbox and not receipt_first
+            if late_receipt and not await self._first_receipt(session, consumer.name, envelope, digest):
+                await uow.rollback()  # a copy committed while this one ran: its effects stand
+                return ConsumeOutcome.DUPLICATE
             await uow.commit()
         return ConsumeOutcome.CONSUMED
 

@@ -52,7 +52,7 @@ from outbox_kit.transports.base import (
     broker_count,
     dead_letter_headers,
     publish_copy,
-    undecoded_body,
+    the_message,
 )
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
@@ -150,7 +150,7 @@ class RabbitTransport(FastStreamTransport):
         self._names = names
         self._registry = registry
         self.broker = RabbitBroker(
-            settings.url, default_channel=Channel(on_return_raises=True), logger=BROKER_LOG
+            settings.url, default_channel=Channel(on_return_raises=True), logger=BROKER_LOG, apply_types=False
         )
         self._exchange = RabbitExchange(names.exchange(), type=ExchangeType.TOPIC, durable=True)
         self._declared: RobustExchange | None = None  # resolved on the first publish
@@ -181,7 +181,7 @@ class RabbitTransport(FastStreamTransport):
         broker = self.broker
         timeout = self._settings.publish_timeout_seconds
 
-        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL, decoder=undecoded_body)
+        @broker.subscriber(main, self._exchange, ack_policy=AckPolicy.MANUAL, decoder=the_message)
         async def on_message(message: RabbitMessage) -> None:
             await handler(RabbitDelivery(message, broker, main.name, dlq.name, publish_timeout=timeout))
 
