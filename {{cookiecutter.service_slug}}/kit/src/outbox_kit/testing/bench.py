@@ -693,10 +693,11 @@ async def commit_rate(base: Target, *, writers: int, outbox_on: bool, seconds: f
     units = container.units_of_work()
     insert = f"INSERT INTO {TALLIES} (writer, number) VALUES (:writer, :number)"  # noqa: S608 (a constant)
     commits = [0] * writers
+    tally = sa.text(insert)
 
     async def command(writer: int, number: int) -> None:
         async with units() as uow:
-            await uow.session.execute(sa.text(insert), {"writer": writer, "number": number})
+            await uow.session.exec(tally, params={"writer": writer, "number": number})  # type: ignore[call-overload]
             uow.enqueue(ticked(number))
             await uow.commit()
 
