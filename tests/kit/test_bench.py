@@ -1,6 +1,7 @@
 """``make bench`` works: the kit's benchmark (``python -m outbox_kit.testing.bench``) runs its
-write-path and idle sections end to end on a fresh PostgreSQL database, with a worker child
-process, and reports every figure it was asked for. What the figures are is docs/performance.md's
+drain, end-to-end, write-path and idle sections end to end on a fresh PostgreSQL database and
+RabbitMQ, with worker, counter and consumer child processes, and reports every figure it was
+asked for, the CPU time per row, message and commit among them. What the figures are is docs/performance.md's
 business; a test only proves that they are measured (no timing is asserted)."""
 
 from __future__ import annotations
@@ -21,14 +22,15 @@ def test_the_benchmark_measures_the_write_path_and_an_idle_worker(tmp_path: Path
     try:
         ran = subprocess.run(
             [
-                *(sys.executable, "-m", "outbox_kit.testing.bench", "--only", "write,idle", "--rounds", "1"),
+                *(sys.executable, "-m", "outbox_kit.testing.bench", "--only", "drain,e2e,write,idle"),
+                *("--rounds", "1", "--messages", "300", "--no-nats"),
                 *("--write-seconds", "1", "--idle-seconds", "2", "--database", database),
                 *("--broker-url", SERVICE_URLS["rabbitmq"], "--json", "out.json", "--markdown", "out.md"),
             ],
             cwd=tmp_path,  # no alembic.ini there: the bench creates the kit's tables itself
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=600,
             check=False,
         )
     finally:
@@ -37,6 +39,15 @@ def test_the_benchmark_measures_the_write_path_and_an_idle_worker(tmp_path: Path
     report = json.loads((tmp_path / "out.json").read_text())
     figures = {figure["label"]: figure for figure in report["figures"]}
     assert set(figures) == {
+        "Relay drain, 1 worker / raw publish",
+        "Relay drain, 2 workers / raw publish",
+        "Relay CPU per row, 1 worker",
+        "Relay CPU per row, 2 workers (both)",
+        "Raw publish CPU per message (FastStream)",
+        "End to end (consume pipeline, inbox) / raw publish",
+        "Consumer CPU per message (pipeline, inbox)",
+        "Writer CPU per one-event commit, outbox on",
+        "Writer CPU per one-event commit, outbox off",
         "Write, outbox on / off, 1 writer(s)",
         "Write, outbox on / off, 8 writer(s)",
         "Idle statements per second, 1 worker, default settings",
@@ -44,4 +55,6 @@ def test_the_benchmark_measures_the_write_path_and_an_idle_worker(tmp_path: Path
     for label, figure in figures.items():
         assert figure["errors"] == [], f"{label}: {figure['errors']}"
         assert len(figure["values"]) == 1, f"{label}: not measured"
+        assert figure["values"][0] is not None, f"{label}: not measured"
+        assert figure["values"][0] > 0, f"{label}: {figure['values']}"
     assert "| Write, outbox on / off, 1 writer(s) |" in (tmp_path / "out.md").read_text()

@@ -108,6 +108,38 @@ async def test_stamps_finishing_together_share_one_statement_and_each_learns_its
     assert stamped == [i != ids[2] for i in ids]
 
 
+@pytest.mark.postgres
+async def test_a_batch_is_stamped_in_groups_of_its_concurrency_with_its_last_group_at_once(
+    postgres_url: str,
+) -> None:
+    """20 rows, 8 publishes at a time, the confirms coming 4 ms apart: the stamps go in groups
+    of 8 and the batch's last group as soon as its last delivery ended, at most 4 statements in
+    all (grouped by a 5 ms window they took one statement per row or two)."""
+    container = kit_container(make_settings(postgres_url))
+    try:
+        clock = FakeClock()
+        await insert_rows(container, [row("kit.a.v1", clock.now) for _ in range(20)])
+        confirmed: list[int] = []
+
+        async def publish(claimed: ClaimedRow) -> Delivered:
+            del claimed
+            confirmed.append(len(confirmed))
+            await asyncio.sleep(0.004 * len(confirmed))
+            return Delivered.NEEDS_STAMP
+
+        deliverer = ScriptedDeliverer(publish, fresh_lease=False)
+        source = outbox_source(container, deliverer, clock, batch_size=20, delivery_concurrency=8)
+        before = source.outcomes.stamps.statements
+        result = await source.run_cycle()
+        assert result.completed == 20
+        assert source.outcomes.stamps.statements - before <= 4
+        assert [(await state(container, r.id)).processed_on is not None for r in deliverer.delivered] == [
+            True
+        ] * 20
+    finally:
+        await container.database().dispose()
+
+
 async def test_a_failed_group_fails_every_stamp_in_it(
     container: OutboxContainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

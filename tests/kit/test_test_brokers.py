@@ -36,7 +36,7 @@ from outbox_kit.persistence.unit_of_work import (
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import acting_as, kit_container, make_settings
 from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
-from outbox_kit.transports.base import undecoded_body
+from outbox_kit.transports.base import the_message
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.kafka import (
     ATTEMPT,
@@ -63,11 +63,12 @@ def capture_dead_letters(container: OutboxContainer, transport: str) -> list[dic
     bus = container.bus()
     names, broker, captured = bus.names, bus.broker, []  # type: ignore[attr-defined]
 
-    async def collect(body: Any, message: Any) -> None:
-        del body
+    async def collect(message: Any) -> None:
         captured.append({k: str(v) for k, v in (message.headers or {}).items()})
 
-    raw = {"decoder": undecoded_body}  # a dead letter's body may be anything
+    # A dead letter's body may be anything: the message itself, as the kit's subscribers take it
+    # (the brokers run without FastStream's dependency injection).
+    raw = {"decoder": the_message}
     if transport == "nats":
         from faststream.nats import JStream
 
@@ -80,12 +81,7 @@ def capture_dead_letters(container: OutboxContainer, transport: str) -> list[dic
         subscriber = broker.subscriber(stream=names.dead_letters("kit.observer"), **raw)
     else:
         subscriber = broker.subscriber(names.dead_letters("kit.observer"), **raw)
-    from faststream import Context
-
-    async def handler(body: Any, message: Any = Context("message")) -> None:
-        await collect(body, message)
-
-    subscriber(handler)
+    subscriber(collect)
     return captured
 
 

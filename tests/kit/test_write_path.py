@@ -624,3 +624,37 @@ async def test_sqlite_runs_in_wal_mode_with_the_configured_busy_timeout(tmp_path
             assert (await connection.execute(sa.text("PRAGMA busy_timeout"))).scalar() == 4321
     finally:
         await database.dispose()
+
+
+@pytest.mark.postgres
+async def test_a_pooled_connection_the_server_dropped_while_idle_is_replaced_before_use(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart or a failover between two requests leaves a dead connection in the pool: once
+    it has sat idle past the threshold it is pinged before use, found dead and replaced, and the
+    unit of work never sees it. One used within the threshold is not pinged (no round trip per
+    unit of work): it is the same connection, and its server process was never asked."""
+    import asyncpg
+    from outbox_kit.persistence import database as database_module
+    from outbox_kit.testing.fixtures import plain_dsn
+
+    monkeypatch.setattr(database_module, "PING_AFTER_IDLE_SECONDS", 0.3)
+    container = kit_container(make_settings(postgres_url))
+    engine = container.database().engine
+    pid = sa.text("SELECT pg_backend_pid()")
+    try:
+        async with engine.connect() as connection:
+            first = (await connection.execute(pid)).scalar_one()
+        async with engine.connect() as connection:  # at once: the same connection, not pinged
+            assert (await connection.execute(pid)).scalar_one() == first
+        admin = await asyncpg.connect(plain_dsn(postgres_url))
+        try:
+            assert await admin.fetchval("SELECT pg_terminate_backend($1)", first)
+        finally:
+            await admin.close()
+        await asyncio.sleep(0.5)  # idle past the threshold
+        async with container.units_of_work()() as uow:
+            replaced = (await uow.session.exec(pid)).scalar_one()  # type: ignore[call-overload]
+        assert replaced != first
+    finally:
+        await container.database().dispose()

@@ -10,7 +10,7 @@ transport dead-letters the message at once and never retries it.
 
 The one consume pipeline every integration-event handler runs through.
 
-verify -> restore context -> open a unit of work -> stage the inbox row ``(message_id,
+verify -> restore context -> open a unit of work -> insert the inbox row ``(message_id,
 consumer)`` in it -> run the handler -> commit handler writes, inbox row and any new outbox rows
 together -> acknowledge.
 
@@ -25,8 +25,16 @@ together -> acknowledge.
   still finds its row. This holds only if inbox retention exceeds how late a message can
   legitimately arrive (outbox dead-letter retention plus the time to replay; a start-up
   Warning names a configuration that breaks it). ``0`` keeps inbox rows for ever: no limit.
-* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first: the
-  primary key fires at commit) is reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
+* The inbox row is written by one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` in the
+  handler's transaction. On PostgreSQL it comes first (one round trip; a lookup and an ORM insert
+  at commit were two): a copy consumed at the same moment waits on the row's key, and when the
+  first commits the copy's insert does nothing (a duplicate, its handler never runs); when it
+  rolls back, the copy inserts and runs. On SQLite a lookup comes first and the insert last,
+  after the handler: any write there takes the database's one write lock, which a slow handler
+  would otherwise hold; a copy that committed meanwhile makes the insert do nothing, and this
+  run rolls back as a duplicate.
+* A duplicate (already in the inbox, or a racing consumer whose inbox row committed first) is
+  reported as ``DUPLICATE``: acknowledge and skip. Dedup is on
   the message id, but the inbox row also keeps the SHA-256 of the signed body: a message under a
   processed id whose body differs is not a copy (a producer reusing ids, or a bug upstream), and
   skipping it would lose it silently. It raises :class:`RejectedMessageError`
@@ -52,7 +60,6 @@ from enum import Enum
 from typing import Any, cast
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
 from outbox_kit.application.context import current_context, restored
@@ -61,7 +68,7 @@ from outbox_kit.application.messages import MalformedPayloadError, MessageRegist
 from outbox_kit.application.observability import Clock, NoTracing, RelayMetrics, SpanKind, Tracing
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
-from outbox_kit.persistence.tables import INBOX_TABLE, InboxMessage
+from outbox_kit.persistence.tables import INBOX_TABLE, upsert
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
 
@@ -133,6 +140,7 @@ def decode(registry: MessageRegistry, consumer: Consumer[Any], event_name: str, 
 log = logging.getLogger(__name__)
 MESSAGE_AUTHENTICATION = "message"
 INBOX = INBOX_TABLE
+RECEIPT_ATTEMPTS = 2
 
 
 class ConsumeOutcome(Enum):
@@ -167,6 +175,7 @@ class ConsumePipeline:
         self._inbox = inbox_enabled
         self._metrics = metrics
         self._clock = clock
+        self._receipts: dict[str, sa.Executable] = {}
 
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
@@ -188,7 +197,9 @@ class ConsumePipeline:
             attributes=attributes,
         ) as span:
             # What the handler enqueues carries this span: the trace goes on to the next hop.
-            context = dataclasses.replace(envelope.context, traceparent=span.traceparent)
+            context = envelope.context
+            if span.traceparent != context.traceparent:
+                context = dataclasses.replace(context, traceparent=span.traceparent)
             with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
                 try:
                     outcome = await self._run(consumer, message, envelope)
@@ -207,38 +218,71 @@ class ConsumePipeline:
         return outcome
 
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
-        message_id, event_name = envelope.message_id, envelope.event_name
         digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
         async with self._units() as uow:
+            session = uow.session
+            # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
+            # receipt last, since any write takes the database's one write lock and a slow
+            # handler would hold it (every other writer of the service waiting behind it).
+            receipt_first = session.get_bind().dialect.name == "postgresql"
             if self._inbox:
-                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
-                    return ConsumeOutcome.DUPLICATE
-                context = current_context()
-                uow.stage_inbox(
-                    InboxMessage(
-                        message_id=message_id,
-                        consumer=consumer.name,
-                        event_name=event_name,
-                        tenant_id=context.tenant_id,
-                        correlation_id=context.correlation_id,
-                        received_on=self._clock(),
-                        body_digest=digest,
-                    )
+                known = (
+                    not await self._first_receipt(session, consumer.name, envelope, digest)
+                    if receipt_first
+                    else await self._already_consumed(session, envelope.message_id, consumer.name, digest)
                 )
+                if known:
+                    return ConsumeOutcome.DUPLICATE
             with handler_scope(handler_name(consumer.handler)):
                 await consumer.handler(message, uow)
-            try:
-                await uow.commit()
-            except IntegrityError:
-                if not self._inbox:
-                    raise
-                await uow.session.rollback()
-                # A racing consumer whose inbox row committed first, or a genuine constraint
-                # violation in the handler's own writes: only the first is a duplicate.
-                if await self._already_consumed(uow.session, message_id, consumer.name, digest):
-                    return ConsumeOutcome.DUPLICATE
-                raise
+            late_receipt = self._inbox and not receipt_first
+            if late_receipt and not await self._first_receipt(session, consumer.name, envelope, digest):
+                await uow.rollback()  # a copy committed while this one ran: its effects stand
+                return ConsumeOutcome.DUPLICATE
+            await uow.commit()
         return ConsumeOutcome.CONSUMED
+
+    async def _first_receipt(
+        self, session: AsyncSession, consumer: str, envelope: Envelope, digest: str
+    ) -> bool:
+        """Insert the inbox row in the handler's transaction; False when ``consumer`` already has
+        this message (after the digest check of :meth:`_already_consumed`)."""
+        context = current_context()
+        row = {
+            "message_id": envelope.message_id,
+            "consumer": consumer,
+            "event_name": envelope.event_name,
+            "tenant_id": context.tenant_id,
+            "correlation_id": context.correlation_id,
+            "received_on": self._clock(),
+            "body_digest": digest,
+        }
+        statement = self._receipt_statement(session)
+        for _ in range(RECEIPT_ATTEMPTS):
+            inserted = await session.exec(statement, params=row)  # type: ignore[call-overload]
+            if inserted.first() is not None:
+                return True
+            if await self._already_consumed(session, envelope.message_id, consumer, digest):
+                return False
+            # Purged between the two statements (past its retention): insert it again.
+        msg = f"the inbox row of {envelope.message_id} for {consumer} could not be written"
+        raise RuntimeError(msg)
+
+    def _receipt_statement(self, session: AsyncSession) -> sa.Executable:
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once per dialect
+        and bound to each message's values (building it per message cost more than running it)."""
+        dialect = session.get_bind().dialect.name
+        statement = self._receipts.get(dialect)
+        if statement is None:
+            values = {column.name: sa.bindparam(column.name, type_=column.type) for column in INBOX.columns}
+            statement = (
+                upsert(session, INBOX)
+                .values(values)
+                .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
+                .returning(INBOX.c.message_id)
+            )
+            self._receipts[dialect] = statement
+        return statement
 
     @staticmethod
     async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:

@@ -40,6 +40,7 @@ limits. SQLite's bound is its busy timeout."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
@@ -50,7 +51,7 @@ from pydantic import BaseModel, Field
 from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.default import DefaultDialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import Session
@@ -241,6 +242,39 @@ def guard_engine(engine: Engine) -> None:
 log = logging.getLogger(__name__)
 
 
+# A pooled connection idle longer than this is pinged before it is handed out (see below).
+PING_AFTER_IDLE_SECONDS = 2.0
+
+
+def ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection before use only when it sat idle for ``PING_AFTER_IDLE_SECONDS``.
+
+    SQLAlchemy's ``pool_pre_ping`` pings on every checkout: a round trip per unit of work, per
+    consumed message and per commit, and the largest single cost of a one-event commit. A
+    connection used a moment ago is alive unless the server went away in that moment, and then
+    the request that meets the dead connection fails and SQLAlchemy discards the whole pool (every
+    later checkout gets a fresh connection). A connection that sat idle, the one a restart or a
+    failover between two requests leaves behind, is pinged, and replaced if the ping fails, as
+    pre-ping did."""
+
+    @event.listens_for(engine, "checkin")
+    def _idle_from(_dbapi_connection: Any, record: Any) -> None:  # noqa: ANN401 (the driver's)
+        record.info[IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _ping_if_idle(dbapi_connection: Any, record: Any, _proxy: object) -> None:  # noqa: ANN401
+        idle_since = record.info.get(IDLE_SINCE)
+        if idle_since is None or time.monotonic() - idle_since < PING_AFTER_IDLE_SECONDS:
+            return
+        try:
+            dbapi_connection.ping()
+        except Exception as error:
+            raise DisconnectionError(str(error)) from error  # the pool connects a fresh one
+
+
+IDLE_SINCE = "outbox_kit.idle_since"
+
+
 class Database:
     """Owns the engine; hands out sessions. Built once by the container."""
 
@@ -290,14 +324,15 @@ class Database:
                 cursor.close()
 
             return engine
-        return create_async_engine(
+        engine = create_async_engine(
             self.url,
             echo=self.settings.echo,
             pool_size=self.settings.pool_size,
-            pool_pre_ping=True,
             pool_timeout=self.settings.pool_timeout_seconds,
             connect_args=self._postgres_connect_args({}),
         )
+        ping_when_idle(engine.sync_engine)
+        return engine
 
     def _sqlite_pool_limits(self) -> dict[str, Any]:
         """The pool wait limit where SQLite connections are pooled: SQLAlchemy before 2.1 opens a

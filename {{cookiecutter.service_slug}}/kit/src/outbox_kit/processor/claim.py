@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
@@ -114,10 +115,12 @@ class ClaimedRow:
 
 
 class DeliverySlot:
-    """Held from the start of a row's delivery until ``free()`` or the end of the row."""
+    """Held from the start of a row's delivery until ``free()`` or the end of the row;
+    ``ended`` is told once, when it is freed (the stamp groups count the batch's deliveries)."""
 
-    def __init__(self, gate: asyncio.Semaphore) -> None:
+    def __init__(self, gate: asyncio.Semaphore, ended: Callable[[], None] | None = None) -> None:
         self._gate = gate
+        self._ended = ended
         self._held = False
 
     async def __aenter__(self) -> DeliverySlot:
@@ -130,6 +133,8 @@ class DeliverySlot:
         if self._held:
             self._held = False
             self._gate.release()
+            if self._ended is not None:
+                self._ended()
 
     async def __aexit__(
         self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None

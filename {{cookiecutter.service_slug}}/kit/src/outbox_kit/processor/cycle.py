@@ -257,10 +257,13 @@ class TableSource:
         # Handlers each hold a database session: no more at once than the pool has connections.
         handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
         started: set[uuid.UUID] = set()
+        stamps = self.outcomes.stamps
+        stamps.expect(len(rows))  # the batch's stamps wait for each other, not for the next batch
 
         async def process(row: ClaimedRow) -> bool:
             room = handlers if self._deliverer.needs_fresh_lease(row) else contextlib.nullcontext()
-            async with room, DeliverySlot(gate) as slot:  # a row waiting for room holds no slot
+            # A row waiting for room holds no slot; freeing the slot tells the stamp groups.
+            async with room, DeliverySlot(gate, stamps.delivery_ended) as slot:
                 started.add(row.id)
                 return await self._process(row, token, slot)
 
@@ -313,9 +316,11 @@ class TableSource:
             traceparent=row.trace_context,
             attributes=attributes,
         ) as span:
-            # The delivery runs under this span: a published message carries it on.
-            traced = dataclasses.replace(row, trace_context=span.traceparent)
-            return await self._deliver(traced, token, span, slot)
+            # The delivery runs under this span: a published message carries it on (a copy of the
+            # row only when the span has a traceparent of its own: not with tracing off).
+            if span.traceparent != row.trace_context:
+                row = dataclasses.replace(row, trace_context=span.traceparent)
+            return await self._deliver(row, token, span, slot)
 
     def _needs_renewal(self, row: ClaimedRow) -> bool:
         """A row whose delivery runs handlers gets a whole lease first (the ADR's renewal). A

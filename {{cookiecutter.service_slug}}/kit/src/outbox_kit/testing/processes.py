@@ -58,7 +58,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -66,6 +66,7 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from dependency_injector import providers
 
 from outbox_kit.application.context import (
     CapturedContext,
@@ -73,12 +74,14 @@ from outbox_kit.application.context import (
     current_context,
     use_context,
 )
+from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.observability import (
     SpanKind,
     TimeLimit,
     system_clock,
 )
 from outbox_kit.application.unit_of_work import UnitOfWork
+from outbox_kit.consume.inbox import ConsumeOutcome, ConsumePipeline
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -598,23 +601,48 @@ async def processor(args: argparse.Namespace) -> None:
     await container.database().dispose()
 
 
+# Once both racers have arrived, the first inside its handler waits this long before it writes:
+# the other is then at its inbox insert, which must wait on the row's key until this commits.
+RACE_OVERLAP_SECONDS = 0.5
+
+
+def arrived(barrier: Path, name: str) -> None:
+    """Announce that this racer's copy reached the consume pipeline (its inbox insert is next)."""
+    (barrier / f"arrived-{name}").touch()
+
+
 def barrier_handler(barrier: Path, name: str) -> Callable[[CounterChangedV1, UnitOfWork], Awaitable[None]]:
-    """A handler that waits until both racers are inside their handlers (both passed the inbox
-    pre-check) before it writes: the loser must meet the inbox primary key at commit."""
+    """A handler that waits until both racers' copies have arrived, and then a moment more, before
+    it writes: the other racer is then inside its inbox insert, in the race, not behind it."""
 
     async def handler(event: CounterChangedV1, uow: UnitOfWork) -> None:
         del event
-        (barrier / name).touch()
         deadline = time.monotonic() + 30
-        while len(list(barrier.iterdir())) < 2:  # noqa: ASYNC240 (two tiny files, polled)
+        while len(list(barrier.glob("arrived-*"))) < 2:  # noqa: ASYNC240 (two tiny files, polled)
             if time.monotonic() > deadline:
-                msg = "the other consumer never entered its handler"
+                msg = "the other consumer's copy never arrived"
                 raise RuntimeError(msg)
             await asyncio.sleep(0.02)
+        await asyncio.sleep(RACE_OVERLAP_SECONDS)
         print("entered", flush=True)
         await record_effect(sql(uow), f"consumed-by-{name}")
 
     return handler
+
+
+class AnnouncedPipeline:
+    """The consume pipeline, announcing each arrival (:func:`arrived`) before it runs."""
+
+    def __init__(self, pipeline: ConsumePipeline, barrier: Path, name: str) -> None:
+        self._pipeline = pipeline
+        self._barrier = barrier
+        self._name = name
+
+    async def consume(
+        self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
+    ) -> ConsumeOutcome:
+        arrived(self._barrier, self._name)
+        return await self._pipeline.consume(consumer, headers, body)
 
 
 async def consumer(args: argparse.Namespace) -> None:
@@ -636,6 +664,7 @@ async def consumer(args: argparse.Namespace) -> None:
     headers = container.signer().sign(message.headers(), body)
     start_at = float(args.start_at)
     await asyncio.sleep(max(0.0, start_at - time.time()))
+    arrived(Path(args.barrier), args.name)
     outcome = await container.pipeline().consume(racer, headers, body)
     print(outcome.value, flush=True)
     await container.database().dispose()
@@ -654,6 +683,8 @@ async def broker_racer(args: argparse.Namespace) -> None:
     await install_kit(container, create_tables=False)
     handler = barrier_handler(Path(args.barrier), args.name)
     container.handlers().consume("kit.racer", CounterChangedV1, handler)
+    announced = AnnouncedPipeline(container.pipeline(), Path(args.barrier), args.name)
+    container.pipeline.override(providers.Object(announced))
     bus = container.bus()
     await bus.start()
     await bus.start_consuming()

@@ -864,8 +864,9 @@ async def test_notify_wakes_another_processs_processor(start: StartPart, contain
 async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
     start: StartPart, container: OutboxContainer, tmp_path: Path
 ) -> None:
-    """Both processes pass the inbox pre-check and are inside the handler at once (a file
-    barrier proves it); the primary key at commit lets exactly one effect through."""
+    """Both processes consume the same message at once: the first runs its handler while the
+    second's copy has arrived (a file barrier proves it) and waits at its inbox insert on the row's
+    key; when the first commits, the second finds the row and skips: one effect, one handler run."""
     await install_kit(container)
     url = container.settings().database.url
     message_id, start_at = str(uuid.uuid4()), f"{time.time() + 2.0}"
@@ -879,7 +880,7 @@ async def test_two_consumer_processes_racing_one_duplicate_give_one_effect(
         for name in ("c1", "c2")
     ]
     printed = sorted(finish(racer).split() for racer in racers)
-    assert printed == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
+    assert printed == [["duplicate"], ["entered", "consumed"]]  # the race: both had arrived
     effects = await fetch(container, sa.select(EFFECTS.c.label))
     assert len(effects) == 1
     inbox = await fetch(container, sa.text("SELECT message_id FROM inbox_messages"))
@@ -898,8 +899,9 @@ async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_e
     start: StartPart, container_builder: ContainerBuilder, container: OutboxContainer, tmp_path: Path
 ) -> None:
     """The same message published twice to a real RabbitMQ queue read by two processes: each
-    process takes one copy, both are inside the handler at once (the file barrier), and the
-    broker wrapper acknowledges the loser as a duplicate: one effect, nothing redelivered."""
+    process takes one copy, both copies are in the consume pipeline at once (the file barrier),
+    the loser waits at its inbox insert and the broker wrapper acknowledges it as a duplicate: one
+    effect, one handler run, nothing redelivered."""
     await install_kit(container)
     url = container.settings().database.url
     namespace = f"race{uuid.uuid4().hex[:8]}"
@@ -924,7 +926,7 @@ async def test_two_consumer_processes_on_one_queue_racing_a_duplicate_give_one_e
             said = sorted(
                 [line for line in finish(racer, timeout=90).splitlines() if line in ours] for racer in racers
             )
-            assert said == [["entered", "consumed"], ["entered", "duplicate"]]  # the race, not the pre-check
+            assert said == [["duplicate"], ["entered", "consumed"]]  # the race: both had arrived
             effects = await fetch(container, sa.select(EFFECTS.c.label))
             assert len(effects) == 1
             assert await bus.dead_letters("kit.racer") == []  # type: ignore[attr-defined]
@@ -1134,7 +1136,7 @@ MUTATIONS: tuple[Mutation, ...] = (
                 "",
             ),
         ),
-        # Both processes pass the inbox pre-check (a file barrier): only the key stops the second.
+        # Both copies are in the pipeline at once (a file barrier): only the key stops the second.
         selection=(f"{PROCESSES}::test_two_consumer_processes_racing_one_duplicate_give_one_effect",),
     ),
     Mutation(

@@ -95,7 +95,7 @@ from outbox_kit.transports.base import (
     own_headers,
     publish_copy,
     signed_essentials,
-    undecoded_body,
+    the_message,
 )
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
@@ -264,7 +264,11 @@ class KafkaTransport(FastStreamTransport):
         self._bootstrap = settings.url or "localhost:9092"
         # max_request_size stated, not defaulted: the consumer's copies are sized against it.
         self.broker = KafkaBroker(
-            self._bootstrap, acks="all", max_request_size=MAX_REQUEST_SIZE, logger=BROKER_LOG
+            self._bootstrap,
+            acks="all",
+            max_request_size=MAX_REQUEST_SIZE,
+            logger=BROKER_LOG,
+            apply_types=False,
         )
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
@@ -301,7 +305,7 @@ class KafkaTransport(FastStreamTransport):
             group_id=group,
             ack_policy=AckPolicy.MANUAL,
             auto_offset_reset="earliest",
-            decoder=undecoded_body,
+            decoder=the_message,
             parser=fallback_parser(readable_headers),
         )
 

@@ -52,7 +52,7 @@ from outbox_kit.transports.base import (
     as_text,
     dead_letter_headers,
     publish_copy,
-    undecoded_body,
+    the_message,
 )
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
@@ -202,7 +202,9 @@ class NatsTransport(FastStreamTransport):
     def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
         self._settings = settings
         self._names = names
-        self.broker = NatsBroker(settings.url or "nats://localhost:4222", logger=BROKER_LOG)
+        self.broker = NatsBroker(
+            settings.url or "nats://localhost:4222", logger=BROKER_LOG, apply_types=False
+        )
         self._events = names.stream("events")
         self._dead_letters = names.stream("dead_letters")
         self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})
@@ -224,7 +226,7 @@ class NatsTransport(FastStreamTransport):
                 filter_subject=subject,
             ),
             ack_policy=AckPolicy.MANUAL,
-            decoder=undecoded_body,
+            decoder=the_message,
         )
         async def on_message(message: NatsMessage) -> None:
             await handler(

@@ -71,7 +71,7 @@ from outbox_kit.transports.base import (
     dead_letter_headers,
     fallback_parser,
     publish_copy,
-    undecoded_body,
+    the_message,
 )
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
@@ -176,6 +176,7 @@ class RedisTransport(FastStreamTransport):
             settings.url or "redis://localhost:6379",
             message_format=Utf8BinaryMessageFormat,
             logger=BROKER_LOG,
+            apply_types=False,
         )
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
         self._in_flight: set[tuple[str, str, str]] = set()
@@ -221,7 +222,7 @@ class RedisTransport(FastStreamTransport):
                 stream=source,
                 ack_policy=AckPolicy.MANUAL,
                 parser=fallback_parser(self._readable),
-                decoder=undecoded_body,
+                decoder=the_message,
             )(on_message)
 
     async def _readable(self, entry: Mapping[str, Any]) -> Mapping[str, Any]:
