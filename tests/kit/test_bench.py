@@ -17,7 +17,7 @@ from outbox_kit.testing.fixtures import SERVICE_URLS, create_postgres_database, 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.postgres, pytest.mark.rabbitmq]
 
 
-def test_the_benchmark_measures_the_write_path_and_an_idle_worker(tmp_path: Path) -> None:
+def test_the_benchmark_measures_the_relay_the_consumer_the_writer_and_an_idle_worker(tmp_path: Path) -> None:
     database = create_postgres_database()
     try:
         ran = subprocess.run(
@@ -56,5 +56,6 @@ def test_the_benchmark_measures_the_write_path_and_an_idle_worker(tmp_path: Path
         assert figure["errors"] == [], f"{label}: {figure['errors']}"
         assert len(figure["values"]) == 1, f"{label}: not measured"
         assert figure["values"][0] is not None, f"{label}: not measured"
-        assert figure["values"][0] > 0, f"{label}: {figure['values']}"
+        if figure["unit"] != "stmt/s":  # an idle worker may well say nothing in two seconds
+            assert figure["values"][0] > 0, f"{label}: {figure['values']}"
     assert "| Write, outbox on / off, 1 writer(s) |" in (tmp_path / "out.md").read_text()

@@ -127,6 +127,8 @@ class StampGroups:
     def expect(self, deliveries: int) -> None:
         """A cycle is about to deliver ``deliveries`` rows: their stamps may wait for each other."""
         self._running = deliveries
+        if not self._waiting:  # a "due" left by the last batch's end must not cut this one short
+            self._full.clear()
 
     def delivery_ended(self) -> None:
         """One of the expected deliveries ended (its stamp, if any, is handed in next)."""
