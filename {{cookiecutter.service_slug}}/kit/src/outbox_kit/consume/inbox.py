@@ -175,7 +175,11 @@ class ConsumePipeline:
         self._inbox = inbox_enabled
         self._metrics = metrics
         self._clock = clock
-        self._receipts: dict[str, sa.Executable] = {}
+        # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
+        # receipt last, since any write takes the database's one write lock and a slow handler
+        # would hold it (every other writer of the service waiting behind it).
+        self._receipt_first = units.database.is_postgresql
+        self._receipt: sa.Executable | None = None  # built on first use (see _receipt_statement)
 
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
@@ -221,10 +225,7 @@ class ConsumePipeline:
         digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
         async with self._units() as uow:
             session = uow.session
-            # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
-            # receipt last, since any write takes the database's one write lock and a slow
-            # handler would hold it (every other writer of the service waiting behind it).
-            receipt_first = session.get_bind().dialect.name == "postgresql"
+            receipt_first = self._receipt_first
             if self._inbox:
                 known = (
                     not await self._first_receipt(session, consumer.name, envelope, digest)
@@ -269,20 +270,17 @@ class ConsumePipeline:
         raise RuntimeError(msg)
 
     def _receipt_statement(self, session: AsyncSession) -> sa.Executable:
-        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once per dialect
-        and bound to each message's values (building it per message cost more than running it)."""
-        dialect = session.get_bind().dialect.name
-        statement = self._receipts.get(dialect)
-        if statement is None:
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once and bound to
+        each message's values (building it per message cost more than running it)."""
+        if self._receipt is None:
             values = {column.name: sa.bindparam(column.name, type_=column.type) for column in INBOX.columns}
-            statement = (
+            self._receipt = (
                 upsert(session, INBOX)
                 .values(values)
                 .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
                 .returning(INBOX.c.message_id)
             )
-            self._receipts[dialect] = statement
-        return statement
+        return self._receipt
 
     @staticmethod
     async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:

@@ -949,6 +949,13 @@ async def until_stopped(commands: Commands, counted: Callable[[], int]) -> None:
         await reader
 
 
+async def ready_until_stopped(counted: Callable[[], int]) -> None:
+    """A receiving child's life once subscribed: say ``ready``, then :func:`until_stopped`."""
+    commands = await Commands().open()
+    say("ready")
+    await until_stopped(commands, counted)
+
+
 class Tally:
     """Distinct arrivals, their latency, and per-key order; prints ``done`` at ``expect``."""
 
@@ -1008,10 +1015,8 @@ async def counter(settings: ServiceSettings, event: str, expect: int) -> None:
     await transport.connect()
     await transport.declare([consumer])
     await transport.start_consuming()
-    commands = await Commands().open()
-    say("ready")
     try:
-        await until_stopped(commands, lambda: len(tally.seen))
+        await ready_until_stopped(lambda: len(tally.seen))
     finally:
         await transport.close()
 
@@ -1028,10 +1033,8 @@ async def consumer(settings: ServiceSettings, event: str, expect: int) -> None:
     bus = container.bus()
     await bus.start()
     await bus.start_consuming()
-    commands = await Commands().open()
-    say("ready")
     try:
-        await until_stopped(commands, lambda: len(tally.seen))
+        await ready_until_stopped(lambda: len(tally.seen))
     finally:
         await bus.stop()
         await container.database().dispose()
