@@ -27,19 +27,24 @@ async def trickle(port: int, head: bytes, pieces: bytes) -> tuple[bytes, float]:
     started = time.monotonic()
     closed_at: list[float] = []
 
+    chunks: list[bytes] = []
+
     async def read_all() -> bytes:
-        received = b""
-        while chunk := await reader.read(65536):
-            received += chunk
+        # A byte the client sent just as the server closed is answered with a reset: that too is
+        # the server closing the connection.
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := await reader.read(65536):
+                chunks.append(chunk)
         closed_at.append(time.monotonic() - started)
-        return received
+        return b"".join(chunks)
 
     answer = asyncio.create_task(read_all())
     try:
         writer.write(head)
         await writer.drain()
         for byte in pieces:
-            if answer.done() or time.monotonic() - started > TRICKLE_FOR:
+            # Stop sending once the server answered: a byte after its close would reset the line.
+            if chunks or answer.done() or time.monotonic() - started > TRICKLE_FOR:
                 break
             with contextlib.suppress(ConnectionError):
                 writer.write(bytes([byte]))
