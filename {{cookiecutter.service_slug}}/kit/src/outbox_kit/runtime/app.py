@@ -72,6 +72,7 @@ from outbox_kit.operations.rows import (
 )
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 from outbox_kit.runtime.http import (
+    Bearer,
     RequestContextMiddleware,
     RequestEdgeMiddleware,
     error_responses,
@@ -351,7 +352,7 @@ def administrator_of(admin_role: str, operator_role: str) -> Callable[[Request],
     """The caller and its scope: every tenant for the operator role, its own for the admin role."""
     either_role = require_role(admin_role, operator_role)
 
-    def administrator(request: Request) -> Administrator:
+    def administrator(request: Request, _bearer: Bearer = None) -> Administrator:
         context = either_role(request)
         if context.has_role(operator_role):
             return Administrator(context, EVERY_TENANT)

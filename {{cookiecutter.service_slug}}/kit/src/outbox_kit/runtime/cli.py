@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import errno
 import getpass
-import ipaddress
 import json
 import logging
 import os
@@ -51,7 +50,7 @@ from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.rows import EVERY_TENANT, AdminError, TenantScope
 from outbox_kit.runtime.app import service_asyncapi
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import InvalidTokenError
+from outbox_kit.runtime.http import InvalidTokenError, is_loopback
 from outbox_kit.runtime.server import run_worker, serve, serve_worker
 from outbox_kit.runtime.settings import DEV_JWT_SECRET, LoggingSettings, ServiceSettings
 
@@ -215,15 +214,6 @@ def listening_socket(host: str, port: int) -> socket.socket:
         reason = "already in use" if error.errno == errno.EADDRINUSE else error.strerror or str(error)
         msg = f"cannot listen on {host}:{port}: {reason} (pass --port, or stop what listens there)"
         raise CliError(msg) from None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
-        return False
 
 
 def refuse_the_published_secret_beyond_loopback(settings: ServiceSettings, host: str) -> None:
