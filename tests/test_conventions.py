@@ -67,9 +67,15 @@ def test_the_dockerfile_is_multi_stage_locked_non_root_and_health_checked(
     project = bakes[variant]
     check([str(BIN / "hadolint"), "Dockerfile"], project)
     dockerfile = (project / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?", dockerfile, re.MULTILINE)
     floor = answers(variant)["python_version"]
-    assert stages[-2:] == [f"python:{floor}-slim", f"python:{floor}-slim"]
+    assert stages[1:] == [
+        (f"python:{floor}-slim", "build"),
+        (f"python:{floor}-slim", "runtime"),
+        ("runtime", "development"),
+        ("runtime", "production"),  # the last stage, so the default target: no source, no reload
+    ]
+    assert dockerfile.rstrip().endswith("FROM runtime AS production")
     assert "uv sync --locked --no-dev --no-editable" in dockerfile
     user = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
     assert user
@@ -107,3 +113,27 @@ def test_the_pre_commit_hooks_pass_on_a_fresh_service(
     # `make hooks` as the README says (`-o install`: the shared environment stands for `make install`).
     check(["make", "-o", "install", "hooks"], project, env=env)
     assert "pre-commit" in (project / ".git" / "hooks" / "pre-commit").read_text()
+
+
+@pytest.mark.parametrize("variant", ["default", "kafka"])
+def test_the_development_compose_override_syncs_the_source_and_restarts(
+    bakes: dict[str, Path], variant: str
+) -> None:
+    """`docker compose -f docker-compose.yml -f docker-compose.dev.yml watch`: the API and the
+    worker get the source synced in and start again; the image they run is the development stage,
+    whose path puts the synced source first."""
+    project = bakes[variant]
+    base = yaml.safe_load((project / "docker-compose.yml").read_text())["services"]
+    override = yaml.safe_load((project / "docker-compose.dev.yml").read_text())["services"]
+    assert set(override) <= set(base)
+    assert override["migrator"]["build"] == {"context": ".", "target": "development"}
+    dockerfile = (project / "Dockerfile").read_text()
+    development = dockerfile.split("FROM runtime AS development", 1)[1].split("FROM ", 1)[0]
+    assert "PYTHONPATH=/app/src:/app/kit/src" in development
+    for service in ("api", "worker"):
+        watch = override[service]["develop"]["watch"]
+        synced = {rule["path"]: rule["target"] for rule in watch if rule["action"] == "sync+restart"}
+        assert synced == {"./src": "/app/src", "./kit/src": "/app/kit/src"}
+        for rule in watch:
+            assert (project / rule["path"]).exists() or rule["path"] == "./uv.lock", rule
+        assert "--reload" not in base[service]["command"]

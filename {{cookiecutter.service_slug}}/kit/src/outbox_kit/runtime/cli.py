@@ -32,7 +32,9 @@ import getpass
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
@@ -44,6 +46,7 @@ from alembic import command
 from alembic.config import Config
 from pydantic import ValidationError
 
+import outbox_kit
 from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
 from outbox_kit.application.text import CredentialMaskingFilter
 from outbox_kit.operations.admin import RelayAdministration
@@ -54,6 +57,7 @@ from outbox_kit.runtime.http import InvalidTokenError, is_loopback
 from outbox_kit.runtime.server import run_worker, serve, serve_worker
 from outbox_kit.runtime.settings import DEV_JWT_SECRET, LoggingSettings, ServiceSettings
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
 EXIT_CONFIG = 2
@@ -96,8 +100,10 @@ def build_parser(settings_type: type[ServiceSettings]) -> argparse.ArgumentParse
         serve = commands.add_parser(name, help=text)
         serve.add_argument("--host", default=None, help="default API__HOST (127.0.0.1)")
         serve.add_argument("--port", type=int, default=None, help="default API__PORT (8000)")
+        serve.add_argument("--reload", action="store_true", help=RELOAD_HELP)
     worker = commands.add_parser("worker", help="processors and consumers until SIGTERM")
     worker.add_argument("--host", default=None, help="default WORKER__HOST (127.0.0.1)")
+    worker.add_argument("--reload", action="store_true", help=RELOAD_HELP)
     worker.add_argument(
         "--port", type=int, default=None, help="serve /livez, /readyz, /metrics (default WORKER__PORT: none)"
     )
@@ -160,6 +166,8 @@ def run(
     args = build_parser(settings_type).parse_args(argv)
     settings = load_settings(settings_type)
     configure_logging(settings.logging)
+    if getattr(args, "reload", False):
+        return reload_on_change(settings, build_container)
     container = build_container(settings)
     if args.command in ("run", "api"):
         host = args.host or settings.api.host
@@ -202,6 +210,70 @@ def main(
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+RELOAD_HELP = "development: start again when a Python file of the service changes"
+
+
+def reload_on_change(settings: ServiceSettings, build_container: Callable[..., OutboxContainer]) -> int:
+    """``--reload``: the same command, without the flag, in a child process started again each
+    time a Python file of the service (or of a kit checked out beside it) changes.
+
+    The child is stopped with SIGTERM, its graceful shutdown: a Ctrl-C in the terminal has already
+    sent it SIGINT, and a second SIGINT would make uvicorn force its exit. A child that exits on
+    its own (an error in the code just saved) is started again by the next change."""
+    if settings.is_production:
+        msg = "--reload is a development convenience and is refused in production"
+        raise CliError(msg)
+    try:
+        import watchfiles  # noqa: PLC0415 (a development tool, absent from production images)
+    except ImportError:
+        msg = "--reload needs watchfiles, one of the service's development tools: run `make install`"
+        raise CliError(msg) from None
+    command = [sys.executable, *(argument for argument in sys.orig_argv[1:] if argument != "--reload")]
+    paths = watched_paths(build_container)
+    signal.signal(signal.SIGTERM, _interrupt)  # `docker compose stop`, `kill`: as Ctrl-C
+    logging.getLogger("watchfiles").setLevel(logging.ERROR)  # its "stopping watch" at every Ctrl-C
+    log.info("reloading on changes under %s", ", ".join(map(str, paths)))
+    child = subprocess.Popen(command)  # noqa: S603 (this very command, re-run)
+    try:
+        for changes in watchfiles.watch(
+            *paths, watch_filter=watchfiles.PythonFilter(), raise_interrupt=False
+        ):
+            log.info("%d file(s) changed: starting again", len(changes))
+            _stop_child(child)
+            child = subprocess.Popen(command)  # noqa: S603
+    finally:
+        _stop_child(child)
+    return 0
+
+
+# How long a child gets for its graceful shutdown before it is killed.
+RELOAD_STOP_SECONDS = 15
+
+
+def _interrupt(_signal: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_child(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.terminate()
+    try:
+        child.wait(RELOAD_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def watched_paths(build_container: Callable[..., OutboxContainer]) -> list[Path]:
+    """The service's package, and the kit's when it is a checkout (not an installed wheel)."""
+    package = sys.modules[build_container.__module__.partition(".")[0]]
+    paths = [Path(package.__file__ or ".").parent]
+    kit = Path(outbox_kit.__file__ or ".").parent
+    if "site-packages" not in kit.parts and kit not in paths and not kit.is_relative_to(paths[0]):
+        paths.append(kit)
+    return paths
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
