@@ -209,6 +209,12 @@ def build_tracing(settings: ServiceSettings) -> Tracing:
     return NoTracing()
 
 
+def build_database(settings: ServiceSettings, tracing: Tracing) -> Database:
+    database = Database(settings.database)
+    tracing.trace_statements(database.engine.sync_engine)  # the requests' and handlers' engine
+    return database
+
+
 def build_tokens(settings: ServiceSettings) -> TokenService:
     auth = settings.auth
     provider = None
@@ -267,7 +273,7 @@ class OutboxContainer(containers.DeclarativeContainer):
     metrics = providers.Singleton(RelayMetrics)
     tracing = providers.Singleton(build_tracing, settings)
     wake = providers.Singleton(WakeSignal)
-    database = providers.Singleton(Database, settings.provided.database)
+    database = providers.Singleton(build_database, settings, tracing)
     writer = providers.Singleton(build_writer, settings, registry, handlers, database)
     dispatcher = providers.Singleton(build_dispatcher, settings, handlers, registry, metrics)
     units_of_work = providers.Singleton(
