@@ -7,7 +7,7 @@ DEMO_DIR := build/demo
 SLUG := order-service
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-fast bake bake-check lint clean
+.PHONY: help demo test test-fast bake bake-check lock lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -53,6 +53,9 @@ bake: $(BIN)/.installed ## bake the defaults into $(BAKE_DIR) (add ARGS='broker=
 
 bake-check: bake ## bake, install, then lint, type-check and test the baked service
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(MAKE) -C $(BAKE_DIR)/$(SLUG) install lint typecheck test
+
+lock: $(BIN)/.installed ## refresh the uv.lock every service is generated with (UPGRADE=1: newer versions)
+	$(BIN)/python tools/lock_service.py --uv $(CURDIR)/$(BIN)/uv $(if $(UPGRADE),--upgrade)
 
 lint: $(BIN)/.installed ## lint the template's own Python (hooks and tests)
 	$(BIN)/ruff check hooks tests

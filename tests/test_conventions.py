@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from .conftest import VARIANTS
-from .support import BIN, check
+from .support import BIN, TOOLS_ENV, check, find_python
 
 pytestmark = pytest.mark.render
 PYTHONS = ("3.11", "3.12", "3.13")
@@ -137,3 +137,34 @@ def test_the_development_compose_override_syncs_the_source_and_restarts(
         for rule in watch:
             assert (project / rule["path"]).exists() or rule["path"] == "./uv.lock", rule
         assert "--reload" not in base[service]["command"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_bake_carries_the_templates_lock_with_its_own_name_and_floor(
+    bakes: dict[str, Path], variant: str
+) -> None:
+    """Services generated on different days install the same versions: the lock comes with the
+    bake (made by `make lock` from the template, installed by the template's CI), named for the
+    service and bounded by its Python floor, and uv accepts it as up to date."""
+    project = bakes[variant]
+    lock = (project / "uv.lock").read_text()
+    assert f'\nname = "{project.name}"\n' in lock
+    assert f'\nrequires-python = ">={answers(variant)["python_version"]}"\n' in lock
+    if variant in {"default", "long-name-py313"}:  # the oldest and the newest floor
+        python = find_python(str(answers(variant)["python_version"]))
+        assert python is not None, "this machine has each supported Python"
+        check([str(BIN / "uv"), "lock", "--check", "--python", python], project, env=TOOLS_ENV)
+
+
+def test_the_templates_own_automation_is_valid() -> None:
+    """Dependabot keeps the template's tools moving; the lock workflow keeps the services' lock
+    moving (Dependabot cannot render the template around it)."""
+    root = Path(__file__).resolve().parents[1]
+    check(
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.dependabot", ".github/dependabot.yml"],
+        root,
+    )
+    workflow = ".github/workflows/lock.yml"
+    check([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.github-workflows", workflow], root)
+    steps = yaml.safe_load((root / workflow).read_text())["jobs"]["lock"]["steps"]
+    assert any(step.get("run") == "make lock UPGRADE=1" for step in steps)
