@@ -181,6 +181,7 @@ def run(
     args = build_parser(settings_type, description).parse_args(argv)
     settings = load_settings(resolve(settings_type))
     configure_logging(settings.logging)
+    configure_error_tracking(settings)
     build: Callable[[SettingsT], OutboxContainer] = resolve(build_container)
     if getattr(args, "reload", False):
         return reload_on_change(settings, build)
@@ -389,6 +390,18 @@ def login_name() -> str:
         return getpass.getuser()
     except (KeyError, OSError):  # no login name (a container with an unnamed uid)
         return "unknown"
+
+
+def configure_error_tracking(settings: ServiceSettings) -> None:
+    from outbox_kit.application import observability
+
+    sentry = settings.sentry
+    observability.configure_error_tracking(
+        dsn=sentry.dsn.get_secret_value(),
+        environment=sentry.environment or settings.environment.value,
+        release=sentry.release,
+        sample_rate=sentry.sample_rate,
+    )
 
 
 def configure_logging(settings: LoggingSettings) -> None:

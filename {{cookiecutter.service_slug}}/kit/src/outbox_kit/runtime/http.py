@@ -108,7 +108,7 @@ from outbox_kit.application.context import (
     validate_correlation_id,
     validate_traceparent,
 )
-from outbox_kit.application.observability import Clock, NoTracing, Tracing
+from outbox_kit.application.observability import Clock, NoTracing, Tracing, tag_error_reports
 from outbox_kit.application.text import ECHO_LIMIT, is_plain_identifier, is_storable, shorten
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
@@ -756,6 +756,7 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
             await send(message)
 
+        tag_error_reports(context)
         with use_context(context):
             await self.app(scope, receive, send_with_correlation)
 

@@ -90,6 +90,16 @@ class TelemetrySettings(BaseModel):
     tracing: TracingBackend = TracingBackend.NONE
 
 
+class ErrorTrackingSettings(BaseModel):
+    """Sentry, off unless ``SENTRY__DSN`` is set (extra ``[sentry]``): unhandled errors and ERROR
+    log records become events carrying the tenant, user and correlation id, secrets scrubbed."""
+
+    dsn: SecretStr = SecretStr("")
+    environment: str = ""  # default: ENVIRONMENT
+    release: str = ""
+    sample_rate: float = Field(default=1.0, ge=0, le=1)
+
+
 DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (refused in production)
 
 # RFC 7518 section 3.2: an HMAC key at least as long as the hash output.
@@ -283,6 +293,7 @@ class ServiceSettings(BaseSettings):
     worker: WorkerSettings = WorkerSettings()
     logging: LoggingSettings = LoggingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    sentry: ErrorTrackingSettings = ErrorTrackingSettings()
 
     @model_validator(mode="after")
     def _namespace_defaults_to_the_slug(self) -> Self:
