@@ -354,6 +354,8 @@ class BrokerTransport(Protocol):
     """Topology, publish and subscribe for one broker."""
 
     broker: Any
+    # How the broker's CloudEvents binding names the attribute headers (envelope.cloud_event_headers).
+    cloud_events_prefix: str
 
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None: ...
 
@@ -477,6 +479,7 @@ class FastStreamTransport:
 
     broker: Any
     label = "the broker"
+    cloud_events_prefix = "ce-"  # the HTTP and NATS bindings' form (RabbitMQ and Redis have none)
     # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
     metrics_middleware: Callable[..., Any]
 
