@@ -156,6 +156,9 @@ class ClaimNames:
     roles: str = "roles"
 
 
+STANDARD_CLAIMS = ClaimNames()
+
+
 @dataclass(frozen=True, slots=True)
 class Identity:
     """What a verified token says about the caller."""
@@ -297,7 +300,7 @@ class TokenService:
         audience: str = "",
         ttl: timedelta = timedelta(hours=1),
         clock: Clock,
-        claims: ClaimNames = ClaimNames(),
+        claims: ClaimNames = STANDARD_CLAIMS,
         provider: ProviderKeys | None = None,
         provider_algorithms: tuple[str, ...] = ("RS256",),
         shared_secret_tokens: SharedSecretTokens = SharedSecretTokens.ANYWHERE,
