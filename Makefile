@@ -7,23 +7,34 @@ DEMO_DIR := build/demo
 SLUG := order-service
 
 .DEFAULT_GOAL := help
-.PHONY: help demo test test-fast bake bake-check lint clean
+.PHONY: help demo test test-fast bake bake-check lock lint clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(BIN)/.installed: requirements-dev.txt
+# A virtual environment $(1) with the requirements file $(2).
+define tools_venv
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 		echo "error: the template needs Python 3.11 or newer; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
 		"Run: make $(MAKECMDGOALS) PYTHON=python3.11" >&2; exit 1; }
-	@$(PYTHON) -m venv $(VENV) || { echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu install python3-venv" >&2; exit 1; }
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements-dev.txt
+	@$(PYTHON) -m venv $(1) || { echo "error: '$(PYTHON) -m venv' failed; on Debian/Ubuntu install python3-venv" >&2; exit 1; }
+	$(1)/bin/python -m pip install --quiet --disable-pip-version-check -r $(2)
+endef
+
+$(BIN)/.installed: requirements-dev.txt requirements-demo.txt
+	$(call tools_venv,$(VENV),requirements-dev.txt)
 	touch $@
 
-demo: $(BIN)/.installed ## generate a service with the defaults and run it (SQLite + in-process bus)
+# The demo needs only cookiecutter and uv, not the template's test toolchain.
+DEMO_TOOLS := build/demo-tools
+$(DEMO_TOOLS)/bin/.installed: requirements-demo.txt
+	$(call tools_venv,$(DEMO_TOOLS),requirements-demo.txt)
+	touch $@
+
+demo: $(DEMO_TOOLS)/bin/.installed ## generate a service with the defaults and run it (SQLite + in-process bus)
 	rm -rf $(DEMO_DIR)
-	$(BIN)/cookiecutter --no-input --output-dir $(DEMO_DIR) .
-	PATH="$(CURDIR)/$(BIN):$$PATH" $(MAKE) -C $(DEMO_DIR)/$(SLUG) install migrate run
+	$(DEMO_TOOLS)/bin/cookiecutter --no-input --output-dir $(DEMO_DIR) .
+	PATH="$(CURDIR)/$(DEMO_TOOLS)/bin:$$PATH" $(MAKE) -C $(DEMO_DIR)/$(SLUG) install migrate run
 
 # Two workers, handed one test at a time: most of the suite waits on real processes and servers
 # (the generated service's tiers, the kit's broker tests), so the two cores overlap the waits.
@@ -42,6 +53,9 @@ bake: $(BIN)/.installed ## bake the defaults into $(BAKE_DIR) (add ARGS='broker=
 
 bake-check: bake ## bake, install, then lint, type-check and test the baked service
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(MAKE) -C $(BAKE_DIR)/$(SLUG) install lint typecheck test
+
+lock: $(BIN)/.installed ## refresh the uv.lock every service is generated with (UPGRADE=1: newer versions)
+	$(BIN)/python tools/lock_service.py --uv $(CURDIR)/$(BIN)/uv $(if $(UPGRADE),--upgrade)
 
 lint: $(BIN)/.installed ## lint the template's own Python (hooks and tests)
 	$(BIN)/ruff check hooks tests

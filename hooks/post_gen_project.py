@@ -89,7 +89,7 @@ def main() -> None:
     print(
         f"\nCreated {ANSWERS['service_slug']}. Next steps:\n"
         f"  cd {ANSWERS['service_slug']}\n"
-        "  make install    # .venv with the development tools (with uv: makes uv.lock, commit it)\n"
+        "  make install    # .venv with the development tools (the versions of uv.lock)\n"
         "  make migrate    # create the embedded SQLite database\n"
         "  make run        # API + worker on http://127.0.0.1:8000 (SQLite, in-process bus)\n"
         "  make test       # the default test tiers\n"

@@ -50,7 +50,7 @@ def check(command: list[str], cwd: Path, **kwargs: object) -> subprocess.Complet
 
 def install(project: Path, interpreter: str = sys.executable) -> Path:
     """Create ``.venv`` in a baked project the way its users do: ``make install`` (with this
-    environment's uv on PATH: ``uv.lock`` made on the first install, then ``uv sync --locked``)
+    environment's uv on PATH: ``uv sync --locked`` with the ``uv.lock`` the bake carries)
     on ``interpreter`` (the one running these tests unless told)."""
     python = project / ".venv" / "bin" / "python"
     if python.exists():

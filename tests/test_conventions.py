@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from .conftest import VARIANTS
-from .support import BIN, check
+from .support import BIN, TOOLS_ENV, check, find_python
 
 pytestmark = pytest.mark.render
 PYTHONS = ("3.11", "3.12", "3.13")
@@ -67,9 +67,15 @@ def test_the_dockerfile_is_multi_stage_locked_non_root_and_health_checked(
     project = bakes[variant]
     check([str(BIN / "hadolint"), "Dockerfile"], project)
     dockerfile = (project / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM (\S+)", dockerfile, re.MULTILINE)
+    stages = re.findall(r"^FROM (\S+)(?: AS (\S+))?", dockerfile, re.MULTILINE)
     floor = answers(variant)["python_version"]
-    assert stages[-2:] == [f"python:{floor}-slim", f"python:{floor}-slim"]
+    assert stages[1:] == [
+        (f"python:{floor}-slim", "build"),
+        (f"python:{floor}-slim", "runtime"),
+        ("runtime", "development"),
+        ("runtime", "production"),  # the last stage, so the default target: no source, no reload
+    ]
+    assert dockerfile.rstrip().endswith("FROM runtime AS production")
     assert "uv sync --locked --no-dev --no-editable" in dockerfile
     user = re.findall(r"^USER (\S+)", dockerfile, re.MULTILINE)
     assert user
@@ -107,3 +113,58 @@ def test_the_pre_commit_hooks_pass_on_a_fresh_service(
     # `make hooks` as the README says (`-o install`: the shared environment stands for `make install`).
     check(["make", "-o", "install", "hooks"], project, env=env)
     assert "pre-commit" in (project / ".git" / "hooks" / "pre-commit").read_text()
+
+
+@pytest.mark.parametrize("variant", ["default", "kafka"])
+def test_the_development_compose_override_syncs_the_source_and_restarts(
+    bakes: dict[str, Path], variant: str
+) -> None:
+    """`docker compose -f docker-compose.yml -f docker-compose.dev.yml watch`: the API and the
+    worker get the source synced in and start again; the image they run is the development stage,
+    whose path puts the synced source first."""
+    project = bakes[variant]
+    base = yaml.safe_load((project / "docker-compose.yml").read_text())["services"]
+    override = yaml.safe_load((project / "docker-compose.dev.yml").read_text())["services"]
+    assert set(override) <= set(base)
+    assert override["migrator"]["build"] == {"context": ".", "target": "development"}
+    dockerfile = (project / "Dockerfile").read_text()
+    development = dockerfile.split("FROM runtime AS development", 1)[1].split("FROM ", 1)[0]
+    assert "PYTHONPATH=/app/src:/app/kit/src" in development
+    for service in ("api", "worker"):
+        watch = override[service]["develop"]["watch"]
+        synced = {rule["path"]: rule["target"] for rule in watch if rule["action"] == "sync+restart"}
+        assert synced == {"./src": "/app/src", "./kit/src": "/app/kit/src"}
+        for rule in watch:
+            assert (project / rule["path"]).exists() or rule["path"] == "./uv.lock", rule
+        assert "--reload" not in base[service]["command"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_bake_carries_the_templates_lock_with_its_own_name_and_floor(
+    bakes: dict[str, Path], variant: str
+) -> None:
+    """Services generated on different days install the same versions: the lock comes with the
+    bake (made by `make lock` from the template, installed by the template's CI), named for the
+    service and bounded by its Python floor, and uv accepts it as up to date."""
+    project = bakes[variant]
+    lock = (project / "uv.lock").read_text()
+    assert f'\nname = "{project.name}"\n' in lock
+    assert f'\nrequires-python = ">={answers(variant)["python_version"]}"\n' in lock
+    if variant in {"default", "long-name-py313"}:  # the oldest and the newest floor
+        python = find_python(str(answers(variant)["python_version"]))
+        assert python is not None, "this machine has each supported Python"
+        check([str(BIN / "uv"), "lock", "--check", "--python", python], project, env=TOOLS_ENV)
+
+
+def test_the_templates_own_automation_is_valid() -> None:
+    """Dependabot keeps the template's tools moving; the lock workflow keeps the services' lock
+    moving (Dependabot cannot render the template around it)."""
+    root = Path(__file__).resolve().parents[1]
+    check(
+        [str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.dependabot", ".github/dependabot.yml"],
+        root,
+    )
+    workflow = ".github/workflows/lock.yml"
+    check([str(BIN / "check-jsonschema"), "--builtin-schema", "vendor.github-workflows", workflow], root)
+    steps = yaml.safe_load((root / workflow).read_text())["jobs"]["lock"]["steps"]
+    assert any(step.get("run") == "make lock UPGRADE=1" for step in steps)

@@ -89,7 +89,8 @@ def test_generated_test_suites_pass_default_kafka_and_without_example(
     bare_project = bake(tmp_path / "bare", include_example=False)
     run_at_once(
         {
-            "default": (project, python, ["-m", "not slow and not kafka"]),
+            # Two workers, as `make test` runs it (pytest-xdist): the tiers stay isolated per worker.
+            "default": (project, python, ["-m", "not slow and not kafka", "-n", "2"]),
             "kafka": (kafka_project, install(kafka_project), ["-m", "kafka and not slow"]),
             "without-example": (bare_project, install(bare_project), ["-m", WITHOUT_EXAMPLE_TIERS]),
         },

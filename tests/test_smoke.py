@@ -4,6 +4,7 @@ wait for /readyz, place an order, see its notification, stop with SIGTERM: a cle
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -99,3 +100,56 @@ def test_service_runs_on_the_embedded_default(tmp_path: Path) -> None:
     _, stderr = process.communicate()
     assert code == 0, stderr[-3000:]
     assert "Application shutdown complete" in stderr
+
+
+def _description(base: str) -> object:
+    _, document = _request(f"{base}/openapi.json")
+    assert isinstance(document, dict)
+    return document["info"]["description"]
+
+
+def test_make_run_starts_again_when_the_code_changes(tmp_path: Path) -> None:
+    """The development loop: `make run` (reload on by default) serves a change to the service's
+    code without being restarted by hand, and stops cleanly with the terminal's Ctrl-C."""
+    project = bake(tmp_path)
+    install(project)
+    check(["make", "migrate"], project)
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = (tmp_path / "run.log").open("w")
+    process = subprocess.Popen(
+        ["make", "run", f"ARGS=--port {port}"],
+        cwd=project,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's job is
+    )
+    try:
+        _wait_ready(base, process)
+        about = project / "src" / "order_service" / "about.py"
+        before = _description(base)
+        edited = about.read_text().replace("DESCRIPTION: Final = ", 'DESCRIPTION: Final = "Reloaded. " + ')
+        about.write_text(edited)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if _description(base) != before:
+                    break
+            except OSError:  # between the old process and the new one
+                pass
+            time.sleep(0.3)
+        assert str(_description(base)).startswith("Reloaded. "), (tmp_path / "run.log").read_text()[-3000:]
+        assert _request(f"{base}/readyz")[0] == 200
+    finally:
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: to the whole job
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+        log.close()
+    output = (tmp_path / "run.log").read_text()
+    assert "starting again" in output, output[-3000:]
+    assert output.count("Application shutdown complete") == 2, output[-3000:]  # the old child's, the last's
+    assert " ERROR " not in output, output[-3000:]  # Ctrl-C stops the child once, gracefully

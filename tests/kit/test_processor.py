@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import pytest
 import sqlalchemy as sa
+from outbox_kit.application.handlers import HandlerRegistryError
 from outbox_kit.domain import (
     DomainEvent,
 )
@@ -758,6 +759,25 @@ async def test_a_local_event_without_a_handler_is_stamped_with_one_warning(
         await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
     assert [(await state(container, i)).processed_on is not None for i in ids] == [True, True]
     assert caplog.text.count("no handler for it is registered on this host") == 1
+    del kit
+
+
+async def test_a_local_event_declared_record_only_is_stamped_quietly(
+    container: OutboxContainer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An event kept as a record, with no handler by design, says so once at registration and
+    the processor stamps its rows without a warning; a handler for it is a registration error."""
+    kit = await install_kit(container)
+    container.handlers().record_only(Created)
+    with pytest.raises(HandlerRegistryError, match="record-only"):
+        container.handlers().on_domain_event(Created, lambda _event, _uow: asyncio.sleep(0))
+    clock = FakeClock()
+    payload = container.registry().dump(Created(aggregate_id="c", tenant_id="acme"))
+    ids = await insert_rows(container, [row("kit.created.v1", clock.now, kind="domain", payload=payload)])
+    with caplog.at_level(logging.WARNING):
+        await outbox_source(container, container.outbox_deliverer(), clock).run_cycle()
+    assert (await state(container, ids[0])).processed_on is not None
+    assert "no handler" not in caplog.text
     del kit
 
 

@@ -24,7 +24,9 @@ from outbox_kit.persistence.unit_of_work import (
     notify_channel,
 )
 from outbox_kit.processor.processor import PostgresListener
+from outbox_kit.runtime.cli import CliError, reload_on_change
 from outbox_kit.runtime.container import OutboxContainer, build_listener
+from outbox_kit.runtime.settings import Environment
 from outbox_kit.testing.fixtures import acting_as, eventually, fetch, service_argv
 from outbox_kit.testing.harness import (
     Counter,
@@ -259,3 +261,10 @@ async def test_the_outbox_cli_refuses_an_offset_past_any_page_in_one_line(contai
     assert "Traceback" not in answer.stderr
     (line,) = answer.stderr.strip().splitlines()
     assert line.startswith("error: offset must be between 0 and 10000")
+
+
+def test_reload_is_refused_in_production(container: OutboxContainer) -> None:
+    """Production images never reload: `--reload` there is one clear line, not a watcher."""
+    production = container.settings().model_copy(update={"environment": Environment.PRODUCTION})
+    with pytest.raises(CliError, match="refused in production"):
+        reload_on_change(production, lambda settings: container)

@@ -4,6 +4,8 @@ work, failures marked. Spans go to the SDK's in-memory exporter instead of OTLP.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -19,7 +21,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from outbox_kit.application.context import (
     current_context,
 )
-from outbox_kit.application.observability import OpenTelemetryTracing
+from outbox_kit.application.observability import ContextFilter, JsonFormatter, OpenTelemetryTracing
+from outbox_kit.application.observability import SpanKind as KitSpanKind
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
@@ -181,6 +184,16 @@ async def test_a_request_is_a_server_span_whose_context_the_rows_it_writes_carry
     rows = await fetch(container, sa.select(OUTBOX_TABLE).order_by(OUTBOX_TABLE.c.seq))
     assert [row.trace_context for row in rows] == [traceparent_of(first), traceparent_of(second)]
 
+    # The statements the request ran are client spans under it (the maintained SQLAlchemy
+    # instrumentation); the outbox insert among them.
+    statements = [s for s in exporter.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    under_first = [
+        s for s in statements if s.parent is not None and s.parent.span_id == first.context.span_id
+    ]
+    assert under_first, [s.name for s in statements]
+    assert any("INSERT" in (s.attributes or {}).get("db.statement", "") for s in under_first)
+    assert all(s.parent is not None for s in statements)  # none outside a traced span
+
 
 async def test_the_probes_and_the_scrape_open_no_span(
     make_container: ContainerFactory, exporter: InMemorySpanExporter
@@ -189,4 +202,29 @@ async def test_the_probes_and_the_scrape_open_no_span(
     async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
         for path in ("/livez", "/readyz", "/metrics", "/openapi.json"):
             assert (await client.get(path)).status_code == 200, path
+    # /readyz ran its query outside any span: no statement span either.
     assert [s.name for s in exporter.get_finished_spans()] == ["GET /openapi.json"]
+
+
+async def test_json_log_lines_name_the_trace_and_span_they_were_written_in(
+    make_container: ContainerFactory, exporter: InMemorySpanExporter
+) -> None:
+    """With tracing on, every JSON line written inside a span carries its trace_id and span_id
+    (a log line leads to its trace); a line outside any span carries neither."""
+    container = traced(make_container, exporter)
+    formatter, context = JsonFormatter(), ContextFilter()
+    log = logging.getLogger("test.tracing")
+
+    def line(message: str) -> dict[str, object]:
+        record = log.makeRecord(log.name, logging.INFO, __file__, 1, message, (), None)
+        context.filter(record)
+        return json.loads(formatter.format(record))
+
+    with container.tracing().span("work", kind=KitSpanKind.INTERNAL, traceparent=None) as span:
+        inside = line("inside")
+    outside = line("outside")
+    assert span.traceparent is not None
+    _, trace_id, span_id, _ = span.traceparent.split("-")
+    assert (inside["trace_id"], inside["span_id"]) == (trace_id, span_id)
+    assert "trace_id" not in outside
+    assert "span_id" not in outside

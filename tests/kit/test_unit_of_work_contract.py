@@ -114,6 +114,29 @@ async def test_nothing_is_saved_or_published_before_commit(harness: Harness) -> 
     assert [type(event).__name__ for event in counter.pending_events] == ["Created"]
 
 
+async def test_find_is_get_or_none_and_tracks_what_it_finds(harness: Harness) -> None:
+    """The get-or-none path: nothing for an id not stored (or another tenant's), and an
+    aggregate it finds is tracked, so the events raised on it are committed with it."""
+    with acting_as("acme"):
+        async with harness.open() as uow:
+            assert await uow.repository(Counters).find("c-1") is None
+            uow.repository(Counters).add(Counter.create("acme", "c-1"))
+            await uow.commit()
+        async with harness.open() as uow:
+            found = await uow.repository(Counters).find("c-1")
+            assert found is not None
+            found.increment(by=2)
+            uow.enqueue(changed(found))
+            await uow.commit()
+        async with harness.open() as uow:
+            again = await uow.repository(Counters).get("c-1")
+    with acting_as("globex"):
+        async with harness.open() as uow:
+            assert await uow.repository(Counters).find("c-1") is None
+    assert (again.value, again.version) == (2, 2)
+    assert await harness.published() == ["kit.counter-changed.v1"]
+
+
 async def test_a_commit_saves_the_aggregate_and_removes_exactly_the_events_it_captured(
     harness: Harness,
 ) -> None:

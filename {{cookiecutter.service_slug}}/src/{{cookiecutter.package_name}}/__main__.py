@@ -6,8 +6,7 @@ from pathlib import Path
 
 from outbox_kit.runtime import cli
 
-from .container import build_container
-from .settings import Settings
+from .about import SERVICE_NAME
 
 # Where alembic.ini and migrations/ are in a checkout (an installed copy finds them by
 # ALEMBIC_CONFIG or the working directory, as the Dockerfile sets it).
@@ -15,7 +14,14 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    cli.main(Settings, build_container, project=PROJECT_ROOT)
+    # By reference: imported once the command is known, so `--help` answers at once (the
+    # container imports every context, the database driver and the brokers' clients).
+    cli.main(
+        f"{__package__}.settings:Settings",
+        f"{__package__}.container:build_container",
+        project=PROJECT_ROOT,
+        description=SERVICE_NAME,
+    )
 
 
 if __name__ == "__main__":

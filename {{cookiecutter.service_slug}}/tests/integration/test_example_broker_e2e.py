@@ -61,7 +61,8 @@ async def test_an_order_reaches_the_notifications_context_through_the_broker(
     finally:
         await container.bus().delete_topology()  # type: ignore[attr-defined]  # leave the broker clean
         await container.database().dispose()
-    assert [(n["event_name"], n["tenant_id"], n["user_id"], n["correlation_id"]) for n in found] == [
+    ours = [n for n in found if n["event_name"].startswith("orders.")]  # not a later context's
+    assert [(n["event_name"], n["tenant_id"], n["user_id"], n["correlation_id"]) for n in ours] == [
         ("orders.order-placed.v1", "acme", "alice", "e2e-1")
     ]
     assert foreign == []
@@ -111,4 +112,5 @@ async def test_identities_at_the_byte_limit_are_consumed_and_one_byte_more_is_40
     assert {name: answer.status_code for name, answer in refused.items()} == dict.fromkeys(over, 401)
     assert all("bytes in UTF-8" in answer.json()["detail"] for answer in refused.values())
     assert placed.status_code == 201, placed.text
-    assert [(n["tenant_id"], n["user_id"]) for n in found] == [(TENANT, USER)]
+    ours = [n for n in found if n["event_name"].startswith("orders.")]  # not a later context's
+    assert [(n["tenant_id"], n["user_id"]) for n in ours] == [(TENANT, USER)]

@@ -75,12 +75,16 @@ async def test_the_worker_delivers_what_the_api_process_committed(sqlite_url: st
     finally:
         api_code, api_log = stop(api)
         worker_code, worker_log = stop(worker)
-    assert [n["event_name"] for n in found] == ["orders.order-placed.v1"]
+    ours = [n["event_name"] for n in found if n["event_name"].startswith("orders.")]  # not a later context's
+    assert ours == ["orders.order-placed.v1"]
     assert (api_code, worker_code) == (0, 0), api_log[-2000:] + worker_log[-2000:]
     assert "worker stopped" in worker_log
     engine = sa.create_engine(sqlite_url.replace("+aiosqlite", ""))
     with engine.connect() as connection:
-        rows = connection.execute(sa.text("SELECT locked_by, processed_on FROM outbox_messages")).all()
+        # The orders context's rows (a context added later may write rows of its own for the order).
+        rows = connection.execute(
+            sa.text("SELECT locked_by, processed_on FROM outbox_messages WHERE event_name LIKE 'orders.%'")
+        ).all()
     engine.dispose()
     assert len(rows) == 2  # the domain event and the integration event it was translated into
     assert {locked_by for locked_by, _ in rows} == {f"{socket.gethostname()}:{worker.pid}"}

@@ -89,11 +89,30 @@ class HandlerRegistry:
 
     def __init__(self) -> None:
         self._domain: dict[type[DomainEvent], list[Handler[Any]]] = defaultdict(list)
+        self._record_only: set[type[DomainEvent]] = set()
         self._consumers: dict[str, Consumer[Any]] = {}
         self._commands: dict[type[InternalCommand], Handler[Any]] = {}
 
     def on_domain_event(self, event_type: type[M], handler: Handler[M]) -> None:
-        self._domain[_checked(event_type, DomainEvent)].append(handler)
+        event = _checked(event_type, DomainEvent)
+        if event in self._record_only:
+            msg = f"{event.__qualname__} is declared record-only and cannot have a handler"
+            raise HandlerRegistryError(msg)
+        self._domain[event].append(handler)
+
+    def record_only(self, *event_types: type[DomainEvent]) -> None:
+        """Domain events kept in the outbox as a record, with no handler by design: the processor
+        stamps them processed quietly (an undeclared event without a handler gets a Warning, since
+        its handler usually lives on a host that should run the processor instead)."""
+        for event_type in event_types:
+            event = _checked(event_type, DomainEvent)
+            if self._domain.get(event):
+                msg = f"{event.__qualname__} has a handler and cannot be declared record-only"
+                raise HandlerRegistryError(msg)
+            self._record_only.add(event)
+
+    def is_record_only(self, event_type: type[Message]) -> bool:
+        return event_type in self._record_only
 
     def consume(self, name: str, event_type: type[M], handler: Handler[M]) -> None:
         _checked(event_type, IntegrationEvent)

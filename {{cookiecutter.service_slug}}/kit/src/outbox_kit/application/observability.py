@@ -72,6 +72,7 @@ import contextlib
 import enum
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import UTC, datetime
@@ -80,12 +81,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from outbox_kit.application.context import current_context
-from outbox_kit.application.text import escape_controls
+from outbox_kit.application.context import RequestContext, current_context
+from outbox_kit.application.text import escape_controls, mask_credentials
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
@@ -180,6 +181,12 @@ class Tracing(Protocol):
         """Flush what is buffered (called once when the container closes)."""
         ...
 
+    def trace_statements(self, engine: object) -> None:
+        """Open a client span per SQL statement ``engine`` (a SQLAlchemy ``Engine``) runs inside
+        another span (a request, a delivery, a consumed message); statements outside any span
+        (the relay's polling, the probes) open none."""
+        ...
+
 
 class _PassThroughSpan:
     def __init__(self, traceparent: str | None) -> None:
@@ -220,6 +227,9 @@ class NoTracing:
 
     def shutdown(self) -> None:
         return None
+
+    def trace_statements(self, engine: object) -> None:
+        del engine
 
 
 LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
@@ -366,7 +376,21 @@ class ContextFilter(logging.Filter):
         context = current_context()
         record.correlation_id = context.correlation_id
         record.tenant_id = context.tenant_id or "-"
+        record.trace_id, record.span_id = _active_span_ids()
         return True
+
+
+def _active_span_ids() -> tuple[str | None, str | None]:
+    """The trace and span ids of the OpenTelemetry span open where the record was made, so a log
+    line leads to its trace. Read only when OpenTelemetry is loaded (tracing on); a record made
+    outside any span has none."""
+    trace = sys.modules.get("opentelemetry.trace")
+    if trace is None:
+        return None, None
+    span = trace.get_current_span().get_span_context()
+    if not span.is_valid:
+        return None, None
+    return f"{span.trace_id:032x}", f"{span.span_id:016x}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -379,6 +403,8 @@ class JsonFormatter(logging.Formatter):
             "correlation_id": getattr(record, "correlation_id", None),
             "tenant_id": getattr(record, "tenant_id", None),
         }
+        if trace_id := getattr(record, "trace_id", None):
+            entry["trace_id"], entry["span_id"] = trace_id, getattr(record, "span_id", None)
         if exception := _exception_text(self, record):
             entry["exception"] = exception
         return json.dumps(entry)
@@ -442,6 +468,7 @@ class OpenTelemetryTracing:
         try:
             from opentelemetry.sdk.resources import Resource  # noqa: PLC0415 (optional dependency)
             from opentelemetry.sdk.trace import TracerProvider  # noqa: PLC0415
+            from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased  # noqa: PLC0415
             from opentelemetry.trace.propagation.tracecontext import (  # noqa: PLC0415
                 TraceContextTextMapPropagator,
             )
@@ -450,8 +477,14 @@ class OpenTelemetryTracing:
             raise RuntimeError(msg) from missing
         if processor is None:
             processor = otlp_processor()
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+        resource = Resource.create({"service.name": service_name})
+        self._provider = TracerProvider(resource=resource)
         self._provider.add_span_processor(processor)
+        # Statements are traced only inside another span: a provider whose root spans are never
+        # sampled, exporting through the same processor.
+        self._statements_provider = TracerProvider(resource=resource, sampler=ParentBased(ALWAYS_OFF))
+        self._statements_provider.add_span_processor(processor)
+        self._statements_traced = False
         self._tracer = self._provider.get_tracer(__name__)
         self._propagator = TraceContextTextMapPropagator()
 
@@ -507,7 +540,30 @@ class OpenTelemetryTracing:
         return self._provider
 
     def shutdown(self) -> None:
-        self._provider.shutdown()
+        if self._statements_traced:
+            from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor  # noqa: PLC0415
+
+            SQLAlchemyInstrumentor().uninstrument()
+        self._provider.shutdown()  # the processor the statements' provider shares, too
+
+    def trace_statements(self, engine: object) -> None:
+        try:
+            from opentelemetry.instrumentation.sqlalchemy import SQLAlchemyInstrumentor  # noqa: PLC0415
+        except ImportError as missing:
+            msg = "TELEMETRY__TRACING=otel needs the SQLAlchemy instrumentation: pip install '.[otel]'"
+            raise RuntimeError(msg) from missing
+        instrumentor = SQLAlchemyInstrumentor()  # one per process (its own rule): the last wins
+        if instrumentor.is_instrumented_by_opentelemetry:
+            instrumentor.uninstrument()
+        # skip_dep_check: its releases still declare SQLAlchemy < 2.1; the kit's tests run it on
+        # the SQLAlchemy the service installs (tests/kit/test_tracing.py).
+        instrumentor.instrument(
+            engine=engine,
+            tracer_provider=self._statements_provider,
+            enable_commenter=False,
+            skip_dep_check=True,
+        )
+        self._statements_traced = True
 
 
 def otlp_processor() -> SpanProcessor:
@@ -522,3 +578,74 @@ def otlp_processor() -> SpanProcessor:
         msg = "TELEMETRY__TRACING=otel needs the OTLP exporter: pip install '.[otel]'"
         raise RuntimeError(msg) from missing
     return BatchSpanProcessor(OTLPSpanExporter())
+
+
+# -- error tracking ----------------------------------------------------------------------------------
+# Sentry (SENTRY__DSN, extra [sentry]): unhandled errors and ERROR log records sent as events, each
+# with the caller's tenant, user and correlation id, and nothing secret. Imported only when a DSN is set.
+
+# Keys whose values Sentry's scrubber replaces wherever they appear (request data, headers,
+# frame variables), beside its own defaults (authorization, password, secret, token, cookie...).
+SCRUBBED_KEYS = ("jwt_secret", "signing_keys", "dsn", "x-signature", "idempotency-key")
+
+
+def configure_error_tracking(*, dsn: str, environment: str, release: str | None, sample_rate: float) -> bool:
+    """Start sending errors to Sentry when ``dsn`` is set (once per process); ``False`` when off."""
+    if not dsn:
+        return False
+    try:
+        import sentry_sdk  # noqa: PLC0415 (optional dependency)
+        from sentry_sdk.scrubber import DEFAULT_DENYLIST, EventScrubber  # noqa: PLC0415
+    except ImportError as missing:
+        msg = "SENTRY__DSN needs the Sentry SDK: pip install '.[sentry]'"
+        raise RuntimeError(msg) from missing
+    sentry_sdk.init(
+        dsn=dsn,
+        environment=environment,
+        release=release or None,
+        sample_rate=sample_rate,
+        traces_sample_rate=None,  # traces are OpenTelemetry's (TELEMETRY__TRACING)
+        # The SDK's default: no IP addresses, cookies or request bodies (personal data).
+        event_scrubber=EventScrubber(denylist=[*DEFAULT_DENYLIST, *SCRUBBED_KEYS], recursive=True),
+        before_send=cast("Any", with_request_context),  # Sentry's Event is a TypedDict of its own
+    )
+    return True
+
+
+def with_request_context(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
+    """The caller's tenant, user and correlation id on the event (the context of the request or
+    of the message being handled when it happened), and every URL password masked."""
+    del hint
+    context = current_context()
+    tags = event.setdefault("tags", {})  # a request's own, set by tag_error_reports, come first
+    tags.setdefault("correlation_id", context.correlation_id)
+    if context.tenant_id:
+        tags.setdefault("tenant_id", context.tenant_id)
+    if context.user_id and not event.get("user"):
+        event["user"] = {"id": context.user_id}
+    masked: dict[str, Any] = _masked(event)
+    return masked
+
+
+def tag_error_reports(context: RequestContext) -> None:
+    """Put the caller on the error-tracking scope of the current request: Sentry's ASGI
+    integration reports an unhandled error after the request context has ended."""
+    sentry_sdk = sys.modules.get("sentry_sdk")
+    if sentry_sdk is None or not sentry_sdk.get_client().is_active():
+        return
+    scope = sentry_sdk.get_isolation_scope()
+    scope.set_tag("correlation_id", context.correlation_id)
+    if context.tenant_id:
+        scope.set_tag("tenant_id", context.tenant_id)
+    if context.user_id:
+        scope.set_user({"id": context.user_id})
+
+
+def _masked(value: Any) -> Any:  # noqa: ANN401 (any part of an event)
+    if isinstance(value, str):
+        return mask_credentials(value)
+    if isinstance(value, dict):
+        return {key: _masked(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_masked(item) for item in value]
+    return value

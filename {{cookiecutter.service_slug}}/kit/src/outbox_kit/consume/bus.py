@@ -39,7 +39,7 @@ from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerTransport, DeadLetterCopy
 from outbox_kit.transports.bus import BrokerUnavailableError
-from outbox_kit.transports.envelope import Envelope, Signer
+from outbox_kit.transports.envelope import Envelope, Signer, cloud_event_headers
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings, Transport
 
 if TYPE_CHECKING:
@@ -154,6 +154,7 @@ class FastStreamBus:
         self._pipeline = pipeline
         self._metrics = metrics
         self.names = EndpointNames(namespace, settings.preserve_default_endpoint_names)
+        self._source = f"/{namespace}"  # a CloudEvent's source: the service that published it
         self.transport = build_transport(settings, self.names, registry)
         self.transport.count_in(metrics.registry)
         if tracer_provider is not None:
@@ -198,6 +199,9 @@ class FastStreamBus:
 
     async def publish(self, envelope: Envelope) -> None:
         headers = self._signer.sign(envelope.headers(), envelope.body)
+        headers.update(
+            cloud_event_headers(envelope, source=self._source, prefix=self.transport.cloud_events_prefix)
+        )
         try:
             async with asyncio.timeout(self._settings.publish_timeout_seconds):
                 await self.transport.publish(envelope, headers)

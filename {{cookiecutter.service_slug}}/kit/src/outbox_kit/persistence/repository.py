@@ -89,10 +89,18 @@ class Repository(ABC, Generic[A]):
 
     async def get(self, aggregate_id: str) -> A:
         """Load and track an aggregate of the current tenant, or raise ``NotFoundError``."""
-        aggregate = await self._load(aggregate_id)
+        aggregate = await self.find(aggregate_id)
         if aggregate is None:
             raise NotFoundError(self.aggregate_name, aggregate_id)
-        self.scope.track(aggregate, self)
+        return aggregate
+
+    async def find(self, aggregate_id: str) -> A | None:
+        """Load and track an aggregate of the current tenant, or ``None``: the get-or-none path.
+        (Not ``_load``: an aggregate it returns is not tracked, so the events it raises would
+        never reach the outbox.)"""
+        aggregate = await self._load(aggregate_id)
+        if aggregate is not None:
+            self.scope.track(aggregate, self)
         return aggregate
 
     @abstractmethod

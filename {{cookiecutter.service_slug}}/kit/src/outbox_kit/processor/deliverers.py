@@ -9,7 +9,8 @@ What the outbox processor does with one claimed row.
   with no handler on this host is stamped processed with a Warning, once per event name: the
   handler probably lives on another host, which must then run this processor instead
   (``OUTBOX__IMMEDIATE_DISPATCH=false`` on producer-only hosts: a host that writes local events
-  it does not handle leaves them to the host that does).
+  it does not handle leaves them to the host that does). An event declared
+  ``handlers.record_only(...)`` is stamped quietly: it has no handler by design.
 * Integration-event rows: published through the message bus behind the circuit breaker; the
   processed stamp is written only after the transport confirmed the publish.
 
@@ -77,7 +78,8 @@ class OutboxDeliverer:
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
             if row.kind == DOMAIN:
                 if not self._handlers.has_domain_handlers(type(message)):
-                    self._warn_no_handler(row.name)
+                    if not self._handlers.is_record_only(type(message)):
+                        self._warn_no_handler(row.name)
                     return Delivered.NEEDS_STAMP
                 await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
                 return Delivered.STAMPED
@@ -104,7 +106,8 @@ class OutboxDeliverer:
         log.warning(
             "Outbox processor drained %s but no handler for it is registered on this host; the "
             "row is marked processed and not delivered. Register the handler on the processor "
-            "host, or run producer-only hosts with OUTBOX__IMMEDIATE_DISPATCH=false.",
+            "host, run producer-only hosts with OUTBOX__IMMEDIATE_DISPATCH=false, or declare it "
+            "handlers.record_only(...) if it is kept as a record only.",
             event_name,
         )
 

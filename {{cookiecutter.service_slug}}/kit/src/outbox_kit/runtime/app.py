@@ -72,6 +72,7 @@ from outbox_kit.operations.rows import (
 )
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 from outbox_kit.runtime.http import (
+    Bearer,
     RequestContextMiddleware,
     RequestEdgeMiddleware,
     error_responses,
@@ -80,8 +81,8 @@ from outbox_kit.runtime.http import (
     trace_requests,
 )
 from outbox_kit.runtime.worker import Worker
-from outbox_kit.transports.envelope import SIGNATURE, SIGNED_HEADERS
-from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
+from outbox_kit.transports.envelope import CLOUD_EVENT_ATTRIBUTES, SIGNATURE, SIGNED_HEADERS
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings, Transport
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,7 @@ def administrator_of(admin_role: str, operator_role: str) -> Callable[[Request],
     """The caller and its scope: every tenant for the operator role, its own for the admin role."""
     either_role = require_role(admin_role, operator_role)
 
-    def administrator(request: Request) -> Administrator:
+    def administrator(request: Request, _bearer: Bearer = None) -> Administrator:
         context = either_role(request)
         if context.has_role(operator_role):
             return Administrator(context, EVERY_TENANT)
@@ -443,10 +444,15 @@ def asyncapi_document(
 ) -> dict[str, Any]:
     """The document of a service called ``title``, whose broker names start with ``namespace``."""
     names = EndpointNames(namespace, bus.preserve_default_endpoint_names)
+    prefix = "ce_" if bus.transport is Transport.KAFKA else "ce-"  # the CloudEvents binding's
+    cloud_events = {
+        f"{prefix}{name}": {"type": "string", "description": f"CloudEvents {name} (binary mode; not signed)"}
+        for name in CLOUD_EVENT_ATTRIBUTES
+    }
     headers_schema = {
         "type": "object",
-        "properties": {h: {"type": "string"} for h in (*SIGNED_HEADERS, SIGNATURE)},
-        "required": ["x-message-id", "x-event-name"],
+        "properties": {**{h: {"type": "string"} for h in (*SIGNED_HEADERS, SIGNATURE)}, **cloud_events},
+        "required": ["x-message-id", "x-event-name", f"{prefix}specversion", f"{prefix}id", f"{prefix}type"],
     }
     channels: dict[str, Any] = {}
     operations: dict[str, Any] = {}

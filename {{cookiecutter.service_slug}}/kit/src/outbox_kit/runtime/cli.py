@@ -29,34 +29,37 @@ import argparse
 import asyncio
 import errno
 import getpass
-import ipaddress
+import importlib
 import json
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from datetime import datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
-from alembic import command
-from alembic.config import Config
 from pydantic import ValidationError
 
-from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
-from outbox_kit.application.text import CredentialMaskingFilter
-from outbox_kit.operations.admin import RelayAdministration
-from outbox_kit.operations.rows import EVERY_TENANT, AdminError, TenantScope
-from outbox_kit.runtime.app import service_asyncapi
-from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import InvalidTokenError
-from outbox_kit.runtime.server import run_worker, serve, serve_worker
-from outbox_kit.runtime.settings import DEV_JWT_SECRET, LoggingSettings, ServiceSettings
+import outbox_kit
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
+    from outbox_kit.operations.admin import RelayAdministration
+    from outbox_kit.runtime.container import OutboxContainer
+    from outbox_kit.runtime.settings import LoggingSettings, ServiceSettings
+
+# The rest of the kit is imported by the command that needs it: `--help` answers without
+# importing a database driver, a broker client or a web framework, and `token` or `outbox` load
+# none of the server.
+log = logging.getLogger(__name__)
 T = TypeVar("T")
-SettingsT = TypeVar("SettingsT", bound=ServiceSettings)
+SettingsT = TypeVar("SettingsT", bound="ServiceSettings")
 EXIT_CONFIG = 2
 
 
@@ -65,6 +68,8 @@ class CliError(Exception):
 
 
 def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
+    from outbox_kit.runtime.http import InvalidTokenError
+
     settings = container.settings()
     if settings.is_production:
         msg = "token minting is a development helper and is refused in production"
@@ -80,6 +85,8 @@ def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
 
 
 def _asyncapi(args: argparse.Namespace, container: OutboxContainer) -> None:
+    from outbox_kit.runtime.app import service_asyncapi
+
     document = json.dumps(service_asyncapi(container), indent=2)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as file:  # noqa: PTH123
@@ -88,17 +95,25 @@ def _asyncapi(args: argparse.Namespace, container: OutboxContainer) -> None:
         print(document)
 
 
-def build_parser(settings_type: type[ServiceSettings]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=f"python -m {settings_type.__module__.partition('.')[0]}", description=settings_type.service_name
-    )
+def build_parser(
+    settings_type: type[ServiceSettings] | str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """The commands; ``settings_type`` may be a reference (``"package.settings:Settings"``), so
+    that building the parser imports nothing of the service."""
+    if isinstance(settings_type, str):
+        module = settings_type.partition(":")[0]
+    else:
+        module, description = settings_type.__module__, description or settings_type.service_name
+    parser = argparse.ArgumentParser(prog=f"python -m {module.partition('.')[0]}", description=description)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("run", "API and worker in one process (the embedded default)"), ("api", "API only")):
         serve = commands.add_parser(name, help=text)
         serve.add_argument("--host", default=None, help="default API__HOST (127.0.0.1)")
         serve.add_argument("--port", type=int, default=None, help="default API__PORT (8000)")
+        serve.add_argument("--reload", action="store_true", help=RELOAD_HELP)
     worker = commands.add_parser("worker", help="processors and consumers until SIGTERM")
     worker.add_argument("--host", default=None, help="default WORKER__HOST (127.0.0.1)")
+    worker.add_argument("--reload", action="store_true", help=RELOAD_HELP)
     worker.add_argument(
         "--port", type=int, default=None, help="serve /livez, /readyz, /metrics (default WORKER__PORT: none)"
     )
@@ -151,17 +166,51 @@ def load_settings(settings_type: type[SettingsT]) -> SettingsT:
 
 
 def run(
-    settings_type: type[SettingsT],
-    build_container: Callable[[SettingsT], OutboxContainer],
+    settings_type: type[SettingsT] | str,
+    build_container: Callable[[SettingsT], OutboxContainer] | str,
     *,
     project: Path,
     argv: Sequence[str] | None = None,
+    description: str | None = None,
 ) -> int:
-    """Run one command; ``project`` is the folder of the service's ``alembic.ini``."""
-    args = build_parser(settings_type).parse_args(argv)
-    settings = load_settings(settings_type)
+    """Run one command; ``project`` is the folder of the service's ``alembic.ini``.
+
+    ``settings_type`` and ``build_container`` may be given as references (``"module:name"``),
+    imported only once the arguments are parsed: a service's ``__main__`` does, so ``--help``
+    (and a mistyped command) answers at once."""
+    args = build_parser(settings_type, description).parse_args(argv)
+    settings = load_settings(resolve(settings_type))
     configure_logging(settings.logging)
-    container = build_container(settings)
+    configure_error_tracking(settings)
+    build: Callable[[SettingsT], OutboxContainer] = resolve(build_container)
+    if getattr(args, "reload", False):
+        return reload_on_change(settings, build)
+    if args.command == "migrate":  # the service's scripts: no container needed
+        upgrade(project, settings.database.url, args.revision)
+        return 0
+    container = build(settings)
+    if args.command in ("run", "api", "worker"):
+        _serve(args, settings, container)
+    elif args.command == "token":
+        _token(args, container)
+    elif args.command == "asyncapi":
+        _asyncapi(args, container)
+    elif args.command == "outbox":
+        run_outbox_command(args, container)
+    return 0
+
+
+def resolve(reference: T | str) -> T:
+    """An object, or the object a ``"module:name"`` reference names."""
+    if not isinstance(reference, str):
+        return reference
+    module, _, name = reference.partition(":")
+    return cast("T", getattr(importlib.import_module(module), name))
+
+
+def _serve(args: argparse.Namespace, settings: ServiceSettings, container: OutboxContainer) -> None:
+    from outbox_kit.runtime.server import run_worker, serve, serve_worker
+
     if args.command in ("run", "api"):
         host = args.host or settings.api.host
         port = settings.api.port if args.port is None else args.port
@@ -175,34 +224,90 @@ def run(
         else:
             listening = listening_socket(args.host or settings.worker.host, port)
             asyncio.run(serve_worker(container, listening))
-    elif args.command == "migrate":
-        upgrade(project, settings.database.url, args.revision)
-    elif args.command == "token":
-        _token(args, container)
-    elif args.command == "asyncapi":
-        _asyncapi(args, container)
-    elif args.command == "outbox":
-        run_outbox_command(args, container)
-    return 0
 
 
 def main(
-    settings_type: type[SettingsT],
-    build_container: Callable[[SettingsT], OutboxContainer],
+    settings_type: type[SettingsT] | str,
+    build_container: Callable[[SettingsT], OutboxContainer] | str,
     *,
     project: Path,
     argv: Sequence[str] | None = None,
+    description: str | None = None,
 ) -> None:
     """A service's ``__main__``: :func:`run`, exiting with its status (2 for a :class:`CliError`,
     printed as ``error: ...``)."""
     try:
-        code = run(settings_type, build_container, project=project, argv=argv)
+        code = run(settings_type, build_container, project=project, argv=argv, description=description)
     except CliError as error:
         print(f"error: {error}", file=sys.stderr)
         code = EXIT_CONFIG
     except KeyboardInterrupt:
         code = 130
     sys.exit(code)
+
+
+RELOAD_HELP = "development: start again when a Python file of the service changes"
+
+
+def reload_on_change(settings: ServiceSettings, build_container: Callable[..., OutboxContainer]) -> int:
+    """``--reload``: the same command, without the flag, in a child process started again each
+    time a Python file of the service (or of a kit checked out beside it) changes.
+
+    The child is stopped with SIGTERM, its graceful shutdown: a Ctrl-C in the terminal has already
+    sent it SIGINT, and a second SIGINT would make uvicorn force its exit. A child that exits on
+    its own (an error in the code just saved) is started again by the next change."""
+    if settings.is_production:
+        msg = "--reload is a development convenience and is refused in production"
+        raise CliError(msg)
+    try:
+        import watchfiles
+    except ImportError:
+        msg = "--reload needs watchfiles, one of the service's development tools: run `make install`"
+        raise CliError(msg) from None
+    command = [sys.executable, *(argument for argument in sys.orig_argv[1:] if argument != "--reload")]
+    paths = watched_paths(build_container)
+    signal.signal(signal.SIGTERM, _interrupt)  # `docker compose stop`, `kill`: as Ctrl-C
+    logging.getLogger("watchfiles").setLevel(logging.ERROR)  # its "stopping watch" at every Ctrl-C
+    log.info("reloading on changes under %s", ", ".join(map(str, paths)))
+    child = subprocess.Popen(command)  # noqa: S603 (this very command, re-run)
+    try:
+        for changes in watchfiles.watch(
+            *paths, watch_filter=watchfiles.PythonFilter(), raise_interrupt=False
+        ):
+            log.info("%d file(s) changed: starting again", len(changes))
+            _stop_child(child)
+            child = subprocess.Popen(command)  # noqa: S603
+    finally:
+        _stop_child(child)
+    return 0
+
+
+# How long a child gets for its graceful shutdown before it is killed.
+RELOAD_STOP_SECONDS = 15
+
+
+def _interrupt(_signal: int, _frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_child(child: subprocess.Popen[bytes]) -> None:
+    if child.poll() is None:
+        child.terminate()
+    try:
+        child.wait(RELOAD_STOP_SECONDS)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
+def watched_paths(build_container: Callable[..., OutboxContainer]) -> list[Path]:
+    """The service's package, and the kit's when it is a checkout (not an installed wheel)."""
+    package = sys.modules[build_container.__module__.partition(".")[0]]
+    paths = [Path(package.__file__ or ".").parent]
+    kit = Path(outbox_kit.__file__ or ".").parent
+    if "site-packages" not in kit.parts and kit not in paths and not kit.is_relative_to(paths[0]):
+        paths.append(kit)
+    return paths
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -217,18 +322,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise CliError(msg) from None
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
-        return False
-
-
 def refuse_the_published_secret_beyond_loopback(settings: ServiceSettings, host: str) -> None:
     """The default JWT secret is in the template for everyone to read: with it, anyone could
     mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
+    from outbox_kit.runtime.http import is_loopback
+    from outbox_kit.runtime.settings import DEV_JWT_SECRET
+
     if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):
         msg = (
             f"AUTH__JWT_SECRET is the published development default, served on loopback only "
@@ -248,6 +347,8 @@ def _print_json(data: object) -> None:
 
 
 async def _with_admin(container: OutboxContainer, action: Callable[[RelayAdministration], Awaitable[T]]) -> T:
+    from outbox_kit.operations.rows import AdminError
+
     try:
         return await action(container.admin())
     except AdminError as error:
@@ -257,6 +358,8 @@ async def _with_admin(container: OutboxContainer, action: Callable[[RelayAdminis
 
 
 def run_outbox_command(args: argparse.Namespace, container: OutboxContainer) -> None:
+    from outbox_kit.operations.rows import EVERY_TENANT, TenantScope
+
     # An operator tool: every tenant unless --tenant narrows it.
     scope = TenantScope(args.tenant) if args.tenant else EVERY_TENANT
     if args.outbox_command == "pending":
@@ -289,7 +392,22 @@ def login_name() -> str:
         return "unknown"
 
 
+def configure_error_tracking(settings: ServiceSettings) -> None:
+    from outbox_kit.application import observability
+
+    sentry = settings.sentry
+    observability.configure_error_tracking(
+        dsn=sentry.dsn.get_secret_value(),
+        environment=sentry.environment or settings.environment.value,
+        release=sentry.release,
+        sample_rate=sentry.sample_rate,
+    )
+
+
 def configure_logging(settings: LoggingSettings) -> None:
+    from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
+    from outbox_kit.application.text import CredentialMaskingFilter
+
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(ContextFilter())
     handler.addFilter(CredentialMaskingFilter())  # after the context: it reads the final message
@@ -302,6 +420,8 @@ def configure_logging(settings: LoggingSettings) -> None:
 def alembic_config(project: Path, database_url: str | None = None) -> Config:
     """The service's ``alembic.ini`` (``ALEMBIC_CONFIG``, the working directory, or
     ``project``), pointed at ``database_url`` when given."""
+    from alembic.config import Config
+
     candidates = [os.environ.get("ALEMBIC_CONFIG"), "alembic.ini", str(project / "alembic.ini")]
     path = next((Path(c) for c in candidates if c and Path(c).is_file()), None)
     if path is None:
@@ -316,13 +436,19 @@ def alembic_config(project: Path, database_url: str | None = None) -> Config:
 
 def upgrade(project: Path, database_url: str | None = None, revision: str = "head") -> None:
     """The service's migrations up to ``revision`` (``migrate`` and the test fixtures)."""
+    from alembic import command
+
     command.upgrade(alembic_config(project, database_url), revision)
 
 
 def downgrade(project: Path, database_url: str | None = None, revision: str = "base") -> None:
+    from alembic import command
+
     command.downgrade(alembic_config(project, database_url), revision)
 
 
 def check(project: Path, database_url: str | None = None) -> None:
     """Raise when the models and the migrations disagree (``alembic check``)."""
+    from alembic import command
+
     command.check(alembic_config(project, database_url))

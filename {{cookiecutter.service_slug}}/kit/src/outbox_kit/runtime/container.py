@@ -41,7 +41,7 @@ from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.processor.processor import Deliverer, PostgresListener, SourceSettings
-from outbox_kit.runtime.http import TokenService
+from outbox_kit.runtime.http import ClaimNames, ProviderKeys, SharedSecretTokens, TokenService
 from outbox_kit.runtime.settings import ServiceSettings, TracingBackend
 from outbox_kit.runtime.worker import Worker
 from outbox_kit.transports.bus import CircuitBreaker, DirectPublisher, MessageBus
@@ -209,15 +209,34 @@ def build_tracing(settings: ServiceSettings) -> Tracing:
     return NoTracing()
 
 
+def build_database(settings: ServiceSettings, tracing: Tracing) -> Database:
+    database = Database(settings.database)
+    tracing.trace_statements(database.engine.sync_engine)  # the requests' and handlers' engine
+    return database
+
+
 def build_tokens(settings: ServiceSettings) -> TokenService:
     auth = settings.auth
+    provider = None
+    if auth.uses_provider:
+        provider = ProviderKeys(
+            jwks_url=auth.jwks_url,
+            issuer=auth.oidc_issuer,
+            cache_seconds=auth.jwks_cache_seconds,
+            timeout_seconds=auth.jwks_timeout_seconds,
+        )
+    shared = SharedSecretTokens.NEVER if settings.is_production else SharedSecretTokens.LOOPBACK
     return TokenService(
         secret=auth.jwt_secret.get_secret_value(),
         algorithm=auth.jwt_algorithm,
-        issuer=auth.jwt_issuer,
+        issuer=auth.expected_issuer,
         audience=auth.jwt_audience,
         ttl=timedelta(minutes=auth.token_ttl_minutes),
         clock=system_clock,
+        claims=ClaimNames(user=auth.user_claim, tenant=auth.tenant_claim, roles=auth.roles_claim),
+        provider=provider,
+        provider_algorithms=auth.provider_algorithms,
+        shared_secret_tokens=shared,
     )
 
 
@@ -254,7 +273,7 @@ class OutboxContainer(containers.DeclarativeContainer):
     metrics = providers.Singleton(RelayMetrics)
     tracing = providers.Singleton(build_tracing, settings)
     wake = providers.Singleton(WakeSignal)
-    database = providers.Singleton(Database, settings.provided.database)
+    database = providers.Singleton(build_database, settings, tracing)
     writer = providers.Singleton(build_writer, settings, registry, handlers, database)
     dispatcher = providers.Singleton(build_dispatcher, settings, handlers, registry, metrics)
     units_of_work = providers.Singleton(

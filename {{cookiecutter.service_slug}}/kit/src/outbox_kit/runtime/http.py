@@ -64,21 +64,28 @@ command through ``run_once(units, operation, key=key, request=..., status_code=2
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import math
 import re
+import threading
+import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from enum import StrEnum
 from typing import Annotated, Any, cast
 from urllib.parse import parse_qsl
 
 import jwt
-from fastapi import FastAPI, Header, HTTPException, Request, Response, status
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response, status
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from jwt import PyJWK, PyJWKClient
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -101,12 +108,14 @@ from outbox_kit.application.context import (
     validate_correlation_id,
     validate_traceparent,
 )
-from outbox_kit.application.observability import Clock, NoTracing, Tracing
+from outbox_kit.application.observability import Clock, NoTracing, Tracing, tag_error_reports
 from outbox_kit.application.text import ECHO_LIMIT, is_plain_identifier, is_storable, shorten
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
 from outbox_kit.persistence.database import is_database_outage, is_database_timeout, is_transient
 from outbox_kit.persistence.idempotency import Answer, IdempotencyKey, IdempotencyKeyReusedError
+
+log = logging.getLogger(__name__)
 
 # Far above any token this service mints (three short claims); a longer one is refused before
 # it is decoded, so an oversized header costs no base64 and JSON work.
@@ -118,7 +127,36 @@ LATEST_TIME = 253_402_300_799
 
 
 class InvalidTokenError(ValueError):
-    """The bearer token is missing a claim, expired, or not signed with our secret."""
+    """The bearer token is missing a claim, expired, or not signed by a key we trust."""
+
+
+class KeysUnavailableError(InvalidTokenError):
+    """The identity provider's keys could not be fetched and none cached verifies this token: the
+    token may well be valid, so the caller is told to retry (503), not that it is refused."""
+
+
+class SharedSecretTokens(StrEnum):
+    """Where tokens signed with ``AUTH__JWT_SECRET`` are accepted: from anyone without a provider;
+    with one, from loopback callers in development (the ``token`` command keeps working on a
+    laptop) and never in production."""
+
+    ANYWHERE = "anywhere"
+    LOOPBACK = "loopback"
+    NEVER = "never"
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimNames:
+    """Where a token carries the user, the tenant and the roles. A name is looked up as written
+    first, then as a dotted path (``realm_access.roles``), so a namespaced claim such as
+    ``https://example.com/roles`` works as well."""
+
+    user: str = "sub"
+    tenant: str = "tenant"
+    roles: str = "roles"
+
+
+STANDARD_CLAIMS = ClaimNames()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +168,128 @@ class Identity:
     roles: tuple[str, ...]
 
 
+# A token naming a key we do not know makes us fetch the provider's keys again (it rotated), but
+# at most this often: otherwise every forged kid would be a request to the provider.
+REFETCH_SECONDS = 30.0
+MAX_DISCOVERY_BYTES = 1 << 20
+SIGNING_USES = frozenset({None, "sig"})
+
+
+class ProviderKeys:
+    """The signing keys an OpenID Connect provider publishes (its JWKS), from ``jwks_url`` or from
+    the discovery document of ``issuer``.
+
+    Kept for ``cache_seconds``; a token naming a key not among them fetches them again (the
+    provider rotated its keys), at most once per ``refetch_seconds``. While the provider does
+    not answer, the keys already fetched keep verifying tokens; a token no cached key verifies is
+    :class:`KeysUnavailableError`. Fetching (PyJWT's ``PyJWKClient``, blocking) runs in a thread,
+    one at a time; a cached key is found without leaving the event loop."""
+
+    def __init__(
+        self,
+        *,
+        jwks_url: str = "",
+        issuer: str = "",
+        cache_seconds: float = 300.0,
+        timeout_seconds: float = 5.0,
+        refetch_seconds: float = REFETCH_SECONDS,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not (jwks_url or issuer):
+            msg = "ProviderKeys needs the provider's jwks_url or its issuer"
+            raise ValueError(msg)
+        self._jwks_url = jwks_url
+        self._issuer = issuer
+        self._cache_seconds = cache_seconds
+        self._timeout = timeout_seconds
+        self._refetch_seconds = refetch_seconds
+        self._monotonic = monotonic
+        self._keys: dict[str, PyJWK] = {}
+        self._fetched_at = -math.inf
+        self._tried_at = -math.inf
+        self._failure = ""
+        self._lock = threading.Lock()
+        self.fetches = 0  # requests for the key set that were sent (read by tests and logs)
+
+    async def key_for(self, kid: str | None) -> PyJWK:
+        """The key that signed a token naming ``kid`` (``None``: the provider's only key)."""
+        if self._fresh():
+            key = self._pick(kid)
+            if key is not None:
+                return key
+        return await asyncio.to_thread(self._refreshed_key_for, kid)
+
+    def _fresh(self) -> bool:
+        return self._monotonic() - self._fetched_at < self._cache_seconds
+
+    def _pick(self, kid: str | None) -> PyJWK | None:
+        if kid is None:
+            return next(iter(self._keys.values())) if len(self._keys) == 1 else None
+        return self._keys.get(kid)
+
+    def _refreshed_key_for(self, kid: str | None) -> PyJWK:
+        if not self._lock.acquire(timeout=self._timeout * 2):
+            raise KeysUnavailableError(self._unavailable("another fetch of its keys did not end"))
+        try:
+            key = self._pick(kid) if self._fresh() else None  # fetched while this one waited
+            if key is None and self._monotonic() - self._tried_at >= self._refetch_seconds:
+                self._fetch()
+                key = self._pick(kid)
+            key = key or self._pick(kid)  # a stale key still verifies while the provider is away
+        finally:
+            self._lock.release()
+        if key is not None:
+            return key
+        if self._failure:
+            raise KeysUnavailableError(self._unavailable(self._failure))
+        msg = (
+            f"invalid bearer token: signed with a key the identity provider does not publish "
+            f"(kid {short_echo(kid)!r})"
+        )
+        raise InvalidTokenError(msg)
+
+    def _unavailable(self, why: str) -> str:
+        return f"the identity provider's signing keys are unavailable ({why}); retry shortly"
+
+    def _fetch(self) -> None:
+        self._tried_at = self._monotonic()
+        self.fetches += 1
+        try:
+            url = self._jwks_url or self._discovered_jwks_url()
+            client = PyJWKClient(url, cache_jwk_set=False, cache_keys=False, timeout=self._timeout)
+            key_set = client.get_jwk_set()
+        except (jwt.PyJWKClientError, jwt.PyJWKSetError, OSError, ValueError) as error:
+            self._failure = f"{type(error).__name__}: {shorten(str(error), 200)}"
+            log.warning("could not fetch the identity provider's keys: %s", self._failure)
+            return
+        self._keys = {key.key_id or "": key for key in key_set.keys if key.public_key_use in SIGNING_USES}
+        self._fetched_at = self._monotonic()
+        self._failure = ""
+
+    def _discovered_jwks_url(self) -> str:
+        url = self._issuer.rstrip("/") + "/.well-known/openid-configuration"
+        # http(s) only: the settings refuse any other scheme.
+        with urllib.request.urlopen(url, timeout=self._timeout) as response:  # noqa: S310
+            document = json.loads(response.read(MAX_DISCOVERY_BYTES))
+        if not isinstance(document, dict) or document.get("issuer") != self._issuer:
+            # OpenID Connect Discovery 4.3: a document naming another issuer is not trusted.
+            got = document.get("issuer") if isinstance(document, dict) else None
+            msg = f"the discovery document at {url} names issuer {short_echo(got)!r}, not {self._issuer!r}"
+            raise ValueError(msg)
+        jwks_uri = document.get("jwks_uri")
+        if not isinstance(jwks_uri, str) or not jwks_uri.startswith(("https://", "http://")):
+            msg = f"the discovery document at {url} has no http(s) jwks_uri"
+            raise ValueError(msg)
+        return jwks_uri
+
+
 class TokenService:
-    """Mint and verify tokens with one shared secret."""
+    """Mint and verify bearer tokens.
+
+    Shared-secret tokens (HS256 by default) are minted here for development and tests and
+    verified with ``secret``; with a ``provider``, the provider's tokens are verified with the keys
+    it publishes, for ``provider_algorithms`` only, against ``issuer`` and ``audience`` (both
+    required then), and shared-secret tokens are accepted as ``shared_secret_tokens`` says."""
 
     def __init__(
         self,
@@ -142,23 +300,32 @@ class TokenService:
         audience: str = "",
         ttl: timedelta = timedelta(hours=1),
         clock: Clock,
+        claims: ClaimNames = STANDARD_CLAIMS,
+        provider: ProviderKeys | None = None,
+        provider_algorithms: tuple[str, ...] = ("RS256",),
+        shared_secret_tokens: SharedSecretTokens = SharedSecretTokens.ANYWHERE,
     ) -> None:
+        if provider is not None and not (issuer and audience):
+            msg = "tokens of an identity provider are checked against an issuer and an audience: set both"
+            raise ValueError(msg)
         self._secret = secret
         self._algorithm = algorithm
         self._issuer = issuer
         self._audience = audience
         self._ttl = ttl
         self._clock = clock
+        self._claims = claims
+        self._provider = provider
+        self._provider_algorithms = provider_algorithms
+        self._shared = SharedSecretTokens.ANYWHERE if provider is None else shared_secret_tokens
 
     def mint(self, *, user_id: str, tenant_id: str, roles: tuple[str, ...] = ()) -> str:
+        """A shared-secret token carrying the identity under the configured claim names."""
         now: datetime = self._clock()
-        claims: dict[str, Any] = {
-            "sub": user_id,
-            "tenant": tenant_id,
-            "roles": list(roles),
-            "iat": now,
-            "exp": now + self._ttl,
-        }
+        claims: dict[str, Any] = {"iat": now, "exp": now + self._ttl}
+        _put_claim(claims, self._claims.user, user_id)
+        _put_claim(claims, self._claims.tenant, tenant_id)
+        _put_claim(claims, self._claims.roles, list(roles))
         if self._issuer:
             claims["iss"] = self._issuer
         if self._audience:
@@ -166,9 +333,8 @@ class TokenService:
         return jwt.encode(claims, self._secret, algorithm=self._algorithm)
 
     def verify(self, token: str) -> Identity:
-        if len(token) > MAX_TOKEN_LENGTH:
-            msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
-            raise InvalidTokenError(msg)
+        """A shared-secret token's identity (wherever it comes from: the ``token`` command's check)."""
+        _refuse_oversized(token)
         try:
             claims = jwt.decode(
                 token,
@@ -176,34 +342,113 @@ class TokenService:
                 algorithms=[self._algorithm],
                 issuer=self._issuer or None,
                 audience=self._audience or None,
-                options={"require": ["sub", "exp"]},
+                options={"require": ["exp"]},
             )
         except jwt.PyJWTError as error:
             msg = f"invalid bearer token: {error}"
             raise InvalidTokenError(msg) from error
         return self._identity(claims)
 
-    @staticmethod
-    def _identity(claims: dict[str, Any]) -> Identity:
+    async def authenticate(self, token: str, *, client_host: str | None) -> Identity:
+        """The identity of a request's bearer token, ``client_host`` being who sent it."""
+        if self._provider is None:
+            return self.verify(token)
+        _refuse_oversized(token)
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as error:
+            msg = f"invalid bearer token: {error}"
+            raise InvalidTokenError(msg) from error
+        algorithm, kid = header.get("alg"), header.get("kid")
+        if algorithm == self._algorithm:
+            if self._shared is SharedSecretTokens.LOOPBACK and client_host and is_loopback(client_host):
+                return self.verify(token)
+            msg = (
+                f"invalid bearer token: {self._algorithm} tokens signed with AUTH__JWT_SECRET are "
+                "accepted only from loopback in development; send the identity provider's token"
+            )
+            raise InvalidTokenError(msg)
+        if algorithm not in self._provider_algorithms:
+            shown = short_echo(algorithm)
+            msg = f"invalid bearer token: algorithm {shown!r} is not accepted (AUTH__JWT_ALGORITHMS)"
+            raise InvalidTokenError(msg)
+        if not isinstance(kid, str | None):
+            msg = "invalid bearer token: its 'kid' header must be a string"
+            raise InvalidTokenError(msg)
+        key = await self._provider.key_for(kid)
+        return self._identity(self._provider_claims(token, key))
+
+    def _provider_claims(self, token: str, key: PyJWK) -> dict[str, Any]:
+        try:
+            return jwt.decode(
+                token,
+                key,
+                # The key's own algorithm only: a token cannot choose how the key is used.
+                algorithms=[key.algorithm_name],
+                issuer=self._issuer,
+                audience=self._audience,
+                options={"require": ["exp", "iss", "aud"]},
+            )
+        except jwt.PyJWTError as error:
+            msg = f"invalid bearer token: {error}"
+            raise InvalidTokenError(msg) from error
+
+    def _identity(self, claims: dict[str, Any]) -> Identity:
         _refuse_odd_times(claims)
-        user, tenant, roles = claims.get("sub"), claims.get("tenant"), claims.get("roles", [])
+        names = self._claims
         # Bytes in UTF-8, the unit consumers bound the signed headers in: a value that fit in
         # characters but not in bytes was accepted here and refused by every consumer.
-        user = _bounded_text("sub", user, MAX_USER_BYTES)
-        tenant = _bounded_text("tenant", tenant, MAX_TENANT_BYTES)
-        if isinstance(roles, str):
-            roles = [r for r in roles.split(",") if r]
+        user = _bounded_text(names.user, _claim_at(claims, names.user), MAX_USER_BYTES)
+        tenant = _bounded_text(names.tenant, _claim_at(claims, names.tenant), MAX_TENANT_BYTES)
+        roles = _claim_at(claims, names.roles)
+        if roles is None:
+            roles = []
+        if isinstance(roles, str):  # "a,b" or an OAuth scope-like "a b"
+            roles = [r for r in re.split(r"[, ]", roles) if r]
         if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
-            msg = "invalid bearer token: 'roles' must be a list of strings"
+            msg = f"invalid bearer token: {names.roles!r} must be a list of strings"
             raise InvalidTokenError(msg)
         if flattened_size(roles) > MAX_ROLES_BYTES:
             msg = (
-                f"invalid bearer token: 'roles' must be at most {MAX_ROLES_BYTES} bytes in UTF-8 "
-                f"comma-joined, got {flattened_size(roles)}"
+                f"invalid bearer token: {names.roles!r} must be at most {MAX_ROLES_BYTES} bytes in "
+                f"UTF-8 comma-joined, got {flattened_size(roles)}"
             )
             raise InvalidTokenError(msg)
-        _refuse_control_characters(sub=[user], tenant=[tenant], roles=roles)
+        _refuse_control_characters(**{names.user: [user], names.tenant: [tenant], names.roles: roles})
         return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name or "": it may resolve to (or mean) any interface
+        return False
+
+
+def _refuse_oversized(token: str) -> None:
+    if len(token) > MAX_TOKEN_LENGTH:
+        msg = f"invalid bearer token: longer than {MAX_TOKEN_LENGTH} characters"
+        raise InvalidTokenError(msg)
+
+
+def _claim_at(claims: dict[str, Any], name: str) -> object:
+    if name in claims:
+        return claims[name]
+    value: object = claims
+    for part in name.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _put_claim(claims: dict[str, Any], name: str, value: object) -> None:
+    *path, last = name.split(".")
+    for part in path:
+        claims = claims.setdefault(part, {})
+    claims[last] = value
 
 
 def _bounded_text(claim: str, value: object, limit: int) -> str:
@@ -445,9 +690,9 @@ def trace_requests(app: FastAPI, tracing: Tracing) -> None:
     )
 
 
-log = logging.getLogger(__name__)
 CORRELATION_HEADER = "x-correlation-id"
 TOKEN_ERROR_KEY = "token_error"  # noqa: S105 (a state key, not a secret)
+TOKEN_STATUS_KEY = "token_status"  # noqa: S105 (a state key, not a secret)
 
 
 class RequestContextMiddleware:
@@ -492,10 +737,13 @@ class RequestContextMiddleware:
             if scheme.lower() != "bearer" or not token.strip():
                 state[TOKEN_ERROR_KEY] = "Authorization must be 'Bearer <token>'"
             else:
+                client = scope.get("client")
+                host = client[0] if client else None
                 try:
-                    identity = self.tokens.verify(token.strip())
+                    identity = await self.tokens.authenticate(token.strip(), client_host=host)
                 except InvalidTokenError as error:
                     state[TOKEN_ERROR_KEY] = str(error)
+                    state[TOKEN_STATUS_KEY] = 503 if isinstance(error, KeysUnavailableError) else 401
                 else:
                     context = RequestContext(
                         tenant_id=identity.tenant_id,
@@ -511,15 +759,35 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message).append(CORRELATION_HEADER, correlation_id)
             await send(message)
 
+        tag_error_reports(context)
         with use_context(context):
             await self.app(scope, receive, send_with_correlation)
 
 
-def authenticated(request: Request) -> RequestContext:
-    """FastAPI dependency: the caller's context, or 401 with the reason."""
+# Declares the scheme in the OpenAPI document (``/docs`` gets its Authorize button); the
+# middleware above has already read the header.
+BEARER = HTTPBearer(
+    auto_error=False,
+    bearerFormat="JWT",
+    description="A JWT from the identity provider, or in development one from `python -m <package> token`.",
+)
+Bearer = Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]
+KEYS_RETRY_AFTER_SECONDS = 5
+
+
+def authenticated(request: Request, _bearer: Bearer = None) -> RequestContext:
+    """FastAPI dependency: the caller's context, or 401 with the reason (503 while the identity
+    provider's keys cannot be fetched)."""
     context = current_context()
     if not context.is_authenticated or context.tenant_id is None:
-        reason = request.scope.get("state", {}).get(TOKEN_ERROR_KEY, "a bearer token is required")
+        state = request.scope.get("state", {})
+        reason = state.get(TOKEN_ERROR_KEY, "a bearer token is required")
+        if state.get(TOKEN_STATUS_KEY) == status.HTTP_503_SERVICE_UNAVAILABLE:
+            raise HTTPException(
+                status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                detail=reason,
+                headers={"Retry-After": str(KEYS_RETRY_AFTER_SECONDS)},
+            )
         raise HTTPException(
             status_code=status.HTTP_401_UNAUTHORIZED,
             detail=reason,
@@ -534,7 +802,7 @@ def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestCo
     accepted = (role, *alternatives)
     needed = f"role {role!r}" if not alternatives else f"one of the roles {', '.join(map(repr, accepted))}"
 
-    def check(request: Request) -> RequestContext:
+    def check(request: Request, _bearer: Bearer = None) -> RequestContext:
         context = authenticated(request)
         if not any(context.has_role(r) for r in accepted):
             raise HTTPException(status_code=status.HTTP_403_FORBIDDEN, detail=f"{needed} required")
@@ -597,8 +865,6 @@ def idempotent_response(answer: Answer) -> Response:
 # ``ErrorOut`` is the body of every error answer and ``error_responses`` documents them in the
 # OpenAPI document, so a client generated from it knows every status an operation can return.
 
-
-log = logging.getLogger(__name__)
 
 DATABASE_UNAVAILABLE = (
     "the database did not answer in time (a lock held elsewhere, or the database is overloaded or "

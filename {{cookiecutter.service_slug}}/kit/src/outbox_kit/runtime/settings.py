@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 from typing import ClassVar, Self
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -89,14 +90,35 @@ class TelemetrySettings(BaseModel):
     tracing: TracingBackend = TracingBackend.NONE
 
 
+class ErrorTrackingSettings(BaseModel):
+    """Sentry, off unless ``SENTRY__DSN`` is set (extra ``[sentry]``): unhandled errors and ERROR
+    log records become events carrying the tenant, user and correlation id, secrets scrubbed."""
+
+    dsn: SecretStr = SecretStr("")
+    environment: str = ""  # default: ENVIRONMENT
+    release: str = ""
+    sample_rate: float = Field(default=1.0, ge=0, le=1)
+
+
 DEV_JWT_SECRET = "dev-only-secret-change-me-0123456789abcdef"  # noqa: S105 (refused in production)
 
 # RFC 7518 section 3.2: an HMAC key at least as long as the hash output.
 MIN_JWT_SECRET_BYTES = {"HS256": 32, "HS384": 48, "HS512": 64}
 
 
+# What an OpenID Connect provider signs with; the HMAC ones need a shared secret and ``none``
+# verifies nothing, so neither is accepted from a provider.
+PROVIDER_ALGORITHMS = frozenset(
+    {"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"}
+)
+
+
 class AuthSettings(BaseModel):
-    """Bearer JWTs (HS256) carrying ``sub``, ``tenant`` and ``roles``."""
+    """Bearer JWTs. Without a provider: HS256 tokens signed with ``AUTH__JWT_SECRET`` (``python -m
+    <package> token`` mints them). With ``AUTH__JWKS_URL`` or ``AUTH__OIDC_ISSUER``: the tokens of
+    an OpenID Connect provider, verified with the keys it publishes, while shared-secret tokens
+    stay a development convenience for loopback callers. The claims naming the user, tenant and
+    roles are settings, because every provider names them its own way."""
 
     jwt_secret: SecretStr = SecretStr(DEV_JWT_SECRET)
     jwt_algorithm: str = "HS256"
@@ -105,6 +127,17 @@ class AuthSettings(BaseModel):
     token_ttl_minutes: int = Field(default=60, ge=1)
     admin_role: str = "outbox-admin"
     operator_role: str = "outbox-operator"
+    # The provider: its JWKS endpoint, or its issuer URL (the JWKS comes from the discovery
+    # document at <issuer>/.well-known/openid-configuration; the issuer also becomes the `iss`
+    # every token must carry unless AUTH__JWT_ISSUER says otherwise).
+    jwks_url: str = ""
+    oidc_issuer: str = ""
+    jwt_algorithms: str = "RS256"  # comma-separated, e.g. RS256,ES256
+    user_claim: str = "sub"
+    tenant_claim: str = "tenant"
+    roles_claim: str = "roles"  # a dotted path reaches a nested claim: realm_access.roles
+    jwks_cache_seconds: float = Field(default=300, gt=0)
+    jwks_timeout_seconds: float = Field(default=5, gt=0)
 
     @field_validator("jwt_algorithm")
     @classmethod
@@ -118,9 +151,74 @@ class AuthSettings(BaseModel):
             raise ValueError(msg)
         return value
 
+    @field_validator("jwt_algorithms")
+    @classmethod
+    def _provider_algorithms(cls, value: str) -> str:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in PROVIDER_ALGORITHMS]
+        if not names or unknown:
+            msg = (
+                f"AUTH__JWT_ALGORITHMS must list the provider's signing algorithms among "
+                f"{', '.join(sorted(PROVIDER_ALGORITHMS))}, got {value!r}"
+            )
+            raise ValueError(msg)
+        return ",".join(names)
+
+    @field_validator("jwks_url", "oidc_issuer")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if value and urlsplit(value).scheme not in {"http", "https"}:
+            msg = f"the provider's URL must be http(s)://..., got {value!r}"
+            raise ValueError(msg)
+        return value  # as written: an issuer is compared with `iss` exactly (Auth0's ends in /)
+
+    @field_validator("user_claim", "tenant_claim", "roles_claim")
+    @classmethod
+    def _claim_name(cls, value: str) -> str:
+        if not value.strip(" ."):
+            msg = "a claim name must not be empty"
+            raise ValueError(msg)
+        return value
+
+    @model_validator(mode="after")
+    def _a_provider_names_who_its_tokens_are_for(self) -> Self:
+        """A provider signs tokens for many applications: without an issuer and an audience to
+        check, a token it issued for another application would be accepted here."""
+        if self.uses_provider:
+            if not self.expected_issuer:
+                msg = "AUTH__JWT_ISSUER (or AUTH__OIDC_ISSUER) must be set with AUTH__JWKS_URL"
+                raise ValueError(msg)
+            if not self.jwt_audience:
+                msg = (
+                    "AUTH__JWT_AUDIENCE must be set with an identity provider "
+                    "(the client id or API identifier its tokens name in `aud`)"
+                )
+                raise ValueError(msg)
+        return self
+
+    @property
+    def uses_provider(self) -> bool:
+        return bool(self.jwks_url or self.oidc_issuer)
+
+    @property
+    def expected_issuer(self) -> str:
+        return self.jwt_issuer or self.oidc_issuer
+
+    @property
+    def provider_algorithms(self) -> tuple[str, ...]:
+        return tuple(self.jwt_algorithms.split(","))
+
     def refuse_in_production(self) -> None:
-        """The development secret, a key shorter than its hash, or tokens not bound to an issuer
-        and an audience (any service sharing the secret could mint ours) are refused."""
+        """Without a provider: the development secret, a key shorter than its hash, or tokens not
+        bound to an issuer and an audience (any service sharing the secret could mint ours) are
+        refused. With one: its keys must come over HTTPS (shared-secret tokens are then refused
+        in production, so the secret is not checked)."""
+        if self.uses_provider:
+            for name, url in (("JWKS_URL", self.jwks_url), ("OIDC_ISSUER", self.oidc_issuer)):
+                if url and urlsplit(url).scheme != "https":
+                    msg = f"AUTH__{name} must be an https:// URL in production, got {url!r}"
+                    raise ValueError(msg)
+            return
         secret = self.jwt_secret.get_secret_value()
         if secret == DEV_JWT_SECRET:
             msg = "AUTH__JWT_SECRET must be set in production"
@@ -195,6 +293,7 @@ class ServiceSettings(BaseSettings):
     worker: WorkerSettings = WorkerSettings()
     logging: LoggingSettings = LoggingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
+    sentry: ErrorTrackingSettings = ErrorTrackingSettings()
 
     @model_validator(mode="after")
     def _namespace_defaults_to_the_slug(self) -> Self:

@@ -188,9 +188,16 @@ class InMemoryRepository(Generic[A]):
 
     async def get(self, aggregate_id: str) -> A:
         """A copy of the current tenant's aggregate, tracked; ``NotFoundError`` otherwise."""
+        aggregate = await self.find(aggregate_id)
+        if aggregate is None:
+            raise NotFoundError(self.aggregate_name, aggregate_id)
+        return aggregate
+
+    async def find(self, aggregate_id: str) -> A | None:
+        """A copy of the current tenant's aggregate, tracked, or ``None``."""
         stored = self.uow.store.aggregates.get(self._key(aggregate_id))
         if stored is None:
-            raise NotFoundError(self.aggregate_name, aggregate_id)
+            return None
         aggregate: A = copy.deepcopy(stored)  # type: ignore[assignment]
         self.uow.track(aggregate, self)
         return aggregate

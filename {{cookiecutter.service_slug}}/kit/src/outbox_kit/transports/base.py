@@ -55,7 +55,9 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
 from __future__ import annotations
 
 import logging
+import os
 import re
+import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -352,6 +354,8 @@ class BrokerTransport(Protocol):
     """Topology, publish and subscribe for one broker."""
 
     broker: Any
+    # How the broker's CloudEvents binding names the attribute headers (envelope.cloud_event_headers).
+    cloud_events_prefix: str
 
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None: ...
 
@@ -393,6 +397,37 @@ class BrokerTransport(Protocol):
 # handler like every other record: FastStream's default logger paints ANSI colours even into a
 # file, and it would bypass the escaping and credential masking of the service's log format.
 BROKER_LOG = logging.getLogger(f"{__name__.rpartition('.')[0]}.faststream")
+
+
+class FastStreamNoise(logging.Filter):
+    """Keeps out of the service's log two FastStream records that report nothing wrong.
+
+    * ``callback for Task-N is being executed...``: its task supervisor, at INFO, for every
+      subscriber task that ends (each stop).
+    * ``Task-N raised an exception, retrying...`` for a NATS pull whose fetch found nothing before
+      its deadline: FastStream's pull loop suppresses nats-py's own ``TimeoutError``, but nats-py
+      also raises a bare ``asyncio.TimeoutError`` there, so an idle stream ended the loop, the
+      supervisor restarted it (all that should happen) and logged an ERROR traceback.
+
+    Any other exception a subscriber task raises keeps its ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("callback for ") and message.endswith(" is being executed..."):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        return not (type(error) is TimeoutError and _raised_by_a_nats_fetch(error))
+
+
+def _raised_by_a_nats_fetch(error: BaseException) -> bool:
+    return any(
+        frame.f_code.co_name in {"fetch", "_fetch_n", "_fetch_one"}
+        and f"{os.sep}nats{os.sep}js{os.sep}" in frame.f_code.co_filename
+        for frame, _ in traceback.walk_tb(error.__traceback__)
+    )
+
+
+BROKER_LOG.addFilter(FastStreamNoise())
 
 
 class PingFailedError(ConnectionError):
@@ -444,6 +479,7 @@ class FastStreamTransport:
 
     broker: Any
     label = "the broker"
+    cloud_events_prefix = "ce-"  # the HTTP and NATS bindings' form (RabbitMQ and Redis have none)
     # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
     metrics_middleware: Callable[..., Any]
 

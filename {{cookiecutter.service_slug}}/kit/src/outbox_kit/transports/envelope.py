@@ -139,6 +139,34 @@ class Envelope:
         return {k: v for k, v in values.items() if v}
 
 
+CLOUD_EVENTS_VERSION = "1.0"
+CLOUD_EVENT_ATTRIBUTES = ("specversion", "id", "type", "source", "time", "tenantid", "correlationid")
+
+
+def cloud_event_headers(envelope: Envelope, *, source: str, prefix: str) -> dict[str, str]:
+    """The envelope as a CloudEvent in binary mode, for consumers written in other languages
+    with a CloudEvents SDK: ``specversion``, ``id`` (the message id), ``type`` (the event name),
+    ``source``, ``time`` (when it occurred) and the extensions ``tenantid`` and
+    ``correlationid``, each a header named ``prefix`` + attribute (``ce-``, or ``ce_`` as the
+    Kafka binding has it), and ``content-type: application/json``; the body is the event's JSON
+    data. Beside the signed headers, not
+    signed themselves: this service's consumers read only the signed ones."""
+    attributes = {
+        "specversion": CLOUD_EVENTS_VERSION,
+        "id": envelope.message_id,
+        "type": envelope.event_name,
+        "source": source,
+        "time": envelope.occurred_on.isoformat(),
+        "tenantid": envelope.context.tenant_id or "",
+        "correlationid": envelope.context.correlation_id or "",
+    }
+    headers = {f"{prefix}{name}": value for name, value in attributes.items() if value}
+    # Binary mode maps ``datacontenttype`` to the protocol's own content type (FastStream leaves
+    # it empty for a bytes body on Kafka and NATS, which a CloudEvents reader refuses).
+    headers["content-type"] = "application/json"
+    return headers
+
+
 def _canonical(headers: Mapping[str, str], body: bytes) -> bytes:
     signed = [[name, headers.get(name, "")] for name in SIGNED_HEADERS]
     return json.dumps(signed, separators=(",", ":")).encode() + b"\n" + body

@@ -247,6 +247,7 @@ class KafkaDelivery(ReceivedMessage):
 
 class KafkaTransport(FastStreamTransport):
     label = "Kafka"
+    cloud_events_prefix = "ce_"  # the CloudEvents Kafka protocol binding
     metrics_middleware = KafkaPrometheusMiddleware
     broker: KafkaBroker
 
