@@ -231,11 +231,12 @@ class ProviderKeys:
         if not self._lock.acquire(timeout=self._timeout * 2):
             raise KeysUnavailableError(self._unavailable("another fetch of its keys did not end"))
         try:
-            key = self._pick(kid) if self._fresh() else None  # fetched while this one waited
-            if key is None and self._monotonic() - self._tried_at >= self._refetch_seconds:
+            # Fetched while this one waited? Otherwise fetch, when the last try is old enough;
+            # either way a stale key still verifies while the provider is away.
+            stale_or_unknown = not self._fresh() or self._pick(kid) is None
+            if stale_or_unknown and self._monotonic() - self._tried_at >= self._refetch_seconds:
                 self._fetch()
-                key = self._pick(kid)
-            key = key or self._pick(kid)  # a stale key still verifies while the provider is away
+            key = self._pick(kid)
         finally:
             self._lock.release()
         if key is not None:
