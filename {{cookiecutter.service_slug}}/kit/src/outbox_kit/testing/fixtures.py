@@ -354,7 +354,8 @@ async def make_container(
 
     yield factory
     for container in built:
-        await container.database().dispose()
+        for source in container.data_sources():
+            await source.database.dispose()
 
 
 @pytest.fixture
