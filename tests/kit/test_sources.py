@@ -9,9 +9,13 @@ PostgreSQL database and on two PostgreSQL databases."""
 from __future__ import annotations
 
 import asyncio
+import random
+import signal
+import subprocess
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,11 +34,15 @@ from outbox_kit.runtime.app import create_app
 from outbox_kit.runtime.container import OutboxContainer, SourcesError, plan_sources
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import (
+    CONTAINER_VARIABLE,
+    SERVICE_URLS,
     acting_as,
     create_postgres_database,
     drop_postgres_database,
     make_settings,
     run_async,
+    service_argv,
+    service_env,
 )
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url
@@ -49,16 +57,28 @@ SALES = sa.Table(
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("tenant_id", sa.String(64)),
 )
-SALE_COUNTS = sa.Table("src_sale_counts", tables, sa.Column("sale_id", sa.String(64), primary_key=True))
+# Effects have a row id of their own: an effect applied twice shows as two rows.
+SALE_COUNTS = sa.Table(
+    "src_sale_counts",
+    tables,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("sale_id", sa.String(64), nullable=False),
+)
 LEDGER = sa.Table(
     "src_ledger",
     tables,
-    sa.Column("sale_id", sa.String(64), primary_key=True),
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("sale_id", sa.String(64), nullable=False),
     sa.Column("tenant_id", sa.String(64)),
     sa.Column("user_id", sa.String(64)),
     sa.Column("correlation_id", sa.String(64)),
 )
-AUDITS = sa.Table("src_audits", tables, sa.Column("sale_id", sa.String(64), primary_key=True))
+AUDITS = sa.Table(
+    "src_audits",
+    tables,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("sale_id", sa.String(64), nullable=False),
+)
 
 
 class SaleMadeV1(IntegrationEvent, name="src.sale-made.v1"):
@@ -148,6 +168,11 @@ def modules(ledger_default: ContextSource | None = None) -> list[Module]:
     ]
 
 
+def two_contexts(settings: ServiceSettings) -> OutboxContainer:
+    """The container of a service of the two contexts (also what the worker processes build)."""
+    return OutboxContainer(settings=providers.Object(settings), modules=providers.Object(modules()))
+
+
 # -- two sources ------------------------------------------------------------------------------
 
 
@@ -235,7 +260,7 @@ async def builder(storage: Storage) -> AsyncIterator[Build]:
         settings = make_settings(storage.default_url, **sections).model_copy(
             update={"sources": {"ledger": source}}
         )
-        container = OutboxContainer(settings=providers.Object(settings), modules=providers.Object(modules()))
+        container = two_contexts(settings)
         built.append(container)
         return container
 
@@ -348,7 +373,8 @@ async def test_an_event_crosses_from_one_source_to_another_once_with_its_context
         await until(lambda: audited(container, ["s-1"]))
     assert await rows(container, "default", sa.select(SALES.c.id, SALES.c.tenant_id)) == [("s-1", "globex")]
     assert await rows(container, "default", sa.select(SALE_COUNTS.c.sale_id)) == [("s-1",)]
-    assert await rows(container, "ledger", sa.select(LEDGER)) == [("s-1", "globex", "bob", "c-9")]
+    ledger = sa.select(LEDGER.c.sale_id, LEDGER.c.tenant_id, LEDGER.c.user_id, LEDGER.c.correlation_id)
+    assert await rows(container, "ledger", ledger) == [("s-1", "globex", "bob", "c-9")]
     # each table in its own source, and only there
     assert await rows(container, "ledger", sa.select(SALES.c.id)) == []
     assert await rows(container, "default", sa.select(LEDGER.c.sale_id)) == []
@@ -522,3 +548,128 @@ async def test_a_source_that_is_down_pauses_only_its_own_rows_and_loses_nothing(
 async def counted(container: OutboxContainer, expected: list[str]) -> bool:
     found = await rows(container, "default", sa.select(SALE_COUNTS.c.sale_id).order_by(SALE_COUNTS.c.sale_id))
     return [row[0] for row in found] == expected
+
+
+# -- the reliability tier's kill scenario, with two sources -----------------------------------
+
+SALES_SENT = 300
+
+
+@dataclass
+class Fleet:
+    """Worker processes of the two-context service (``python -m outbox_kit.testing.processes
+    service worker``), each logging to a file of its own."""
+
+    env: dict[str, str]
+    logs: Path
+    processes: dict[str, subprocess.Popen[str]] = field(default_factory=dict)
+    kills: int = 0
+
+    def start(self, name: str) -> None:
+        with (self.logs / f"{name}-{self.kills}.log").open("w") as log:  # the child keeps its copy
+            self.processes[name] = subprocess.Popen(
+                service_argv("worker"),
+                cwd=Path(__file__).parent,
+                env=self.env,
+                stdout=log,
+                stderr=log,
+                text=True,
+            )
+
+    async def started(self, name: str) -> None:
+        log = self.logs / f"{name}-{self.kills}.log"
+        for _ in range(600):
+            if "worker started" in log.read_text():
+                return
+            assert self.processes[name].poll() is None, log.read_text()[-3000:]
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"{name} did not start: {log.read_text()[-3000:]}")
+
+    def kill(self, name: str) -> None:
+        self.processes[name].kill()
+        self.processes[name].wait()
+        self.kills += 1
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.rabbitmq
+async def test_workers_killed_at_random_lose_nothing_and_duplicate_nothing_across_two_sources(
+    build_on_postgres: Build, postgres_storage: Storage, tmp_path: Path
+) -> None:
+    """300 sales drained by two worker processes (RabbitMQ between the sources) while one of them,
+    chosen at random, is SIGKILLed and restarted three times: every sale is counted (the default
+    source's internal command), entered in the ledger (the consumer, in the ledger's source) and
+    audited (the ledger's internal command) exactly once; nothing is dead-lettered or left."""
+    storage, namespace = postgres_storage, f"src{uuid.uuid4().hex[:8]}"
+    bus = {"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]}
+    container = build_on_postgres(application={"namespace": namespace}, message_bus=bus)
+    await container.bus().start()  # declares the ledger's queue before anything is published
+    source = {"SCHEMA": storage.ledger.schema_name} if storage.ledger.schema_name else {}
+    env = service_env(
+        storage.default_url,
+        APPLICATION__NAMESPACE=namespace,
+        MESSAGE_BUS__TRANSPORT="rabbitmq",
+        MESSAGE_BUS__URL=SERVICE_URLS["rabbitmq"],
+        OUTBOX__LEASE_SECONDS="3",  # a killed worker's rows come back soon
+        OUTBOX__DELIVERY_TIMEOUT_SECONDS="2",  # within the lease, with its margin
+        MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS="1",
+        OUTBOX__POLLING_INTERVAL_SECONDS="0.2",
+        LOGGING__LEVEL="INFO",
+        **{f"SOURCES__LEDGER__{k}": v for k, v in {**source, "DATABASE_URL": storage.ledger_url}.items()},
+        **{CONTAINER_VARIABLE: f"{__name__}:two_contexts"},
+    )
+    fleet = Fleet(env, tmp_path)
+    try:
+        for name in ("w1", "w2"):
+            fleet.start(name)
+        for name in ("w1", "w2"):
+            await fleet.started(name)
+        sent = [f"s-{n:04d}" for n in range(SALES_SENT)]
+        for first in range(0, SALES_SENT, 25):
+            await sell_many(container, sent[first : first + 25])
+        chaos, pending_at_kills = random.Random(), []
+        for kill in range(3):
+            await asyncio.sleep(chaos.uniform(0.1, 0.6) if kill == 0 else chaos.uniform(0.3, 2.0))
+            pending_at_kills.append(sum(c.pending for c in await container.admin().count_pending()))
+            victim = chaos.choice(sorted(fleet.processes))
+            fleet.kill(victim)
+            fleet.start(victim)
+        await until(lambda: covers(container, "ledger", AUDITS, sent), timeout=240)
+        await until(lambda: covers(container, "default", SALE_COUNTS, sent), timeout=60)
+        await until(lambda: nothing_pending(container), timeout=60)
+    finally:
+        fleet.stop_all()
+        await container.bus().stop()
+        await container.bus().delete_topology()  # type: ignore[attr-defined]
+    for source, table in (("default", SALE_COUNTS), ("ledger", LEDGER), ("ledger", AUDITS)):
+        found = await rows(container, source, sa.select(table.c.sale_id).order_by(table.c.sale_id))
+        assert [row[0] for row in found] == sent, table.name  # each exactly once
+    assert all(count.dead_lettered == 0 for count in await container.admin().count_pending())
+    assert fleet.kills == 3
+    assert pending_at_kills[0] > 0, f"the kills fell after the drain ({pending_at_kills}): nothing proved"
+
+
+async def covers(container: OutboxContainer, source: str, table: sa.Table, sent: list[str]) -> bool:
+    """Every sale has its effect in ``table`` (a second copy is for the final count to see)."""
+    found = await rows(container, source, sa.select(sa.func.count(sa.distinct(table.c.sale_id))))
+    return int(found[0][0]) == len(sent)
+
+
+async def sell_many(container: OutboxContainer, sale_ids: list[str]) -> None:
+    async def make(uow: UnitOfWork) -> None:
+        for sale_id in sale_ids:
+            await make_sale(uow, sale_id)
+
+    with acting_as():
+        await container.units_of_work()().run(make)
