@@ -9,6 +9,7 @@ PostgreSQL database and on two PostgreSQL databases."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import subprocess
@@ -43,6 +44,7 @@ from outbox_kit.testing.fixtures import (
     run_async,
     service_argv,
     service_env,
+    token_for,
 )
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
 from sqlalchemy.engine import make_url
@@ -266,8 +268,7 @@ async def builder(storage: Storage) -> AsyncIterator[Build]:
 
     yield factory
     for container in built:
-        for source in container.data_sources():
-            await source.database.dispose()
+        await container.data_sources().dispose()
 
 
 async def rows(container: OutboxContainer, source: str, statement: Any) -> list[Any]:
@@ -496,6 +497,68 @@ async def test_operators_name_a_source_or_one_of_its_tables(build: Build) -> Non
     assert (explained.source, explained.name) == ("ledger.internal_commands", "src.audit-entry.v1")
     with pytest.raises(ValueError, match=r"unknown source 'books'; use one of: outbox, internal_commands, "):
         await admin.count_pending("books")
+    # a dead letter of the ledger's is replayed there, and the replay recorded there
+    commands = sa.table("internal_commands", sa.column("id"), sa.column("dead_lettered_on"))
+    async with container.data_sources().named("ledger").database.session() as session:
+        await session.exec(sa.update(commands).values(dead_lettered_on=sa.func.now()))  # type: ignore[call-overload]
+        await session.commit()
+    assert [letter.source for letter in await admin.list_dead_letters()] == ["ledger.internal_commands"]
+    replayed = await admin.replay("ledger.internal_commands", [str(row.id)], actor="ops")
+    assert (replayed.source, replayed.replayed) == ("ledger.internal_commands", [str(uuid.UUID(str(row.id)))])
+    replays = "SELECT source, replayed_by FROM dead_letter_replays"
+    assert await rows(container, "ledger", sa.text(replays)) == [("internal_commands", "ops")]
+    assert await rows(container, "default", sa.text(replays)) == []
+
+
+async def test_the_admin_api_names_the_sources_of_the_service(build: Build) -> None:
+    container = build()
+    with acting_as():
+        await container.data_sources().named("ledger").units().run(schedule_audit)
+    (row,) = await rows(
+        container, "ledger", sa.select(sa.column("id")).select_from(sa.table("internal_commands"))
+    )
+    headers = {"Authorization": f"Bearer {token_for(container, roles=('outbox-operator',))}"}
+    app = create_app(container)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test", headers=headers
+    ) as client:
+        pending = (await client.get("/admin/outbox/pending", params={"source": "ledger"})).json()
+        explained = (await client.get(f"/admin/outbox/ledger.internal_commands/{row.id}/explain")).json()
+        unknown = await client.get("/admin/outbox/pending", params={"source": "books"})
+        a_source_is_not_a_table = await client.get(f"/admin/outbox/ledger/{row.id}/explain")
+    assert [(c["source"], c["pending"]) for c in pending] == [
+        ("ledger.outbox", 0),
+        ("ledger.internal_commands", 1),
+    ]
+    assert explained["name"] == "src.audit-entry.v1"
+    assert (unknown.status_code, a_source_is_not_a_table.status_code) == (422, 422)
+    assert "'ledger.internal_commands'" in unknown.json()["detail"][0]["msg"]
+
+
+async def test_the_outbox_command_line_takes_a_source(build: Build, storage: Storage) -> None:
+    """``outbox pending --source ledger``, a real process of the two-context service."""
+    container = build()
+    with acting_as():
+        await container.data_sources().named("ledger").units().run(schedule_audit)
+    ledger = {"SCHEMA": storage.ledger.schema_name} if storage.ledger.schema_name else {}
+    env = service_env(
+        storage.default_url,
+        **{f"SOURCES__LEDGER__{k}": v for k, v in {**ledger, "DATABASE_URL": storage.ledger_url}.items()},
+        **{CONTAINER_VARIABLE: f"{__name__}:two_contexts"},
+    )
+    result = await asyncio.to_thread(
+        subprocess.run,
+        service_argv("outbox", "pending", "--source", "ledger"),
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    counted = [(c["source"], c["pending"]) for c in json.loads(result.stdout)]
+    assert counted == [("ledger.outbox", 0), ("ledger.internal_commands", 1)]
 
 
 async def schedule_audit(uow: UnitOfWork) -> None:

@@ -93,8 +93,7 @@ async def container(storage: tuple[str, dict[str, str]]) -> AsyncIterator[Contai
     migrate_command(database_url, sources)
     built = build_container(settings_with(database_url, sources))
     yield built
-    for source in built.data_sources():
-        await source.database.dispose()
+    await built.data_sources().dispose()
 
 
 async def table_names(container: Container, source: str) -> set[str]:

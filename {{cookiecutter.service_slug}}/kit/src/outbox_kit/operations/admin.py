@@ -111,7 +111,7 @@ class RelayAdministration:
             )
             session.add(
                 DeadLetterReplay(
-                    source=table.name,
+                    source=table.polled.name,  # the audit row is in the table's own source
                     replayed_by=actor,
                     replayed_on=now,
                     message_count=len(replayed_ids),

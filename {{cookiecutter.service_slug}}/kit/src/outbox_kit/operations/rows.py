@@ -189,7 +189,7 @@ class Targets:
     def one(self, name: str | None, verb: str) -> Target:
         found = [] if name in (None, "", "all") else self.named(name)
         if len(found) != 1:
-            msg = f"{verb} needs one table: {' or '.join(self._by_name)}"
+            msg = f"{verb} needs one source: {' or '.join(self._by_name)}"
             raise AdminError(msg)
         return found[0]
 

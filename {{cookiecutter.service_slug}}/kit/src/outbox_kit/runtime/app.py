@@ -279,8 +279,7 @@ async def stop_within_deadline(
                 await worker.stop()  # processors first, then consumers and the bus
             else:
                 await container.bus().stop()
-            for source in container.data_sources():
-                await source.database.dispose()
+            await container.data_sources().dispose()
     except TimeoutError:
         log.error(  # noqa: TRY400 (the deadline, not a fault: no traceback to show)
             "shutdown: not finished within %g s (twice OUTBOX__SHUTDOWN_TIMEOUT_SECONDS with a "

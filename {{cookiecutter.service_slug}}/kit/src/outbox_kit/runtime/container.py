@@ -250,9 +250,6 @@ class DataSources:
     def __iter__(self) -> Iterator[DataSource]:
         return iter(self._sources.values())
 
-    def __len__(self) -> int:
-        return len(self._sources)
-
     @property
     def default(self) -> DataSource:
         return self._sources[DEFAULT_SOURCE]
@@ -275,6 +272,11 @@ class DataSources:
 
     def databases(self) -> dict[str, Database]:
         return {source.name: source.database for source in self}
+
+    async def dispose(self) -> None:
+        """Close every source's connections (a process's or a test's end)."""
+        for source in self:
+            await source.database.dispose()
 
     def named(self, name: str) -> DataSource:
         try:

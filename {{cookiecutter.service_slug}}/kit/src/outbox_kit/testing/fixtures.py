@@ -354,8 +354,7 @@ async def make_container(
 
     yield factory
     for container in built:
-        for source in container.data_sources():
-            await source.database.dispose()
+        await container.data_sources().dispose()
 
 
 @pytest.fixture
