@@ -349,26 +349,57 @@ def build_data_sources(
     return DataSources(built, consumer_contexts(modules))
 
 
-def build_all_tables(
-    settings: ServiceSettings,
+@dataclass(frozen=True)
+class SourceDeliverers:
+    """What one source's processors deliver with: the outbox's and the internal commands'."""
+
+    outbox: OutboxDeliverer
+    commands: CommandDeliverer
+
+
+def build_deliverers(
     sources: DataSources,
     *,
     registry: MessageRegistry,
     handlers: HandlerRegistry,
-    metrics: RelayMetrics,
-    tracing: Tracing,
     bus: MessageBus,
     breaker: CircuitBreaker,
+) -> dict[str, SourceDeliverers]:
+    """Each source's deliverers, by source (one publishing breaker: the broker is shared)."""
+    return {
+        source.name: SourceDeliverers(
+            OutboxDeliverer(
+                registry=registry, handlers=handlers, dispatcher=source.dispatcher, bus=bus, breaker=breaker
+            ),
+            CommandDeliverer(registry=registry, handlers=handlers, units=source.units),
+        )
+        for source in sources
+    }
+
+
+def default_outbox_deliverer(deliverers: Mapping[str, SourceDeliverers]) -> OutboxDeliverer:
+    return deliverers[DEFAULT_SOURCE].outbox
+
+
+def default_command_deliverer(deliverers: Mapping[str, SourceDeliverers]) -> CommandDeliverer:
+    return deliverers[DEFAULT_SOURCE].commands
+
+
+def build_all_tables(
+    settings: ServiceSettings,
+    sources: DataSources,
+    deliverers: Mapping[str, SourceDeliverers],
+    metrics: RelayMetrics,
+    tracing: Tracing,
 ) -> list[TableSource]:
-    """Every polled table of every source, with its deliverers (one publishing breaker: the
-    broker is shared; one database each: a source that is down fails only its own cycles)."""
+    """Every polled table of every source (one database each: a source that is down fails only
+    its own cycles)."""
     tables: list[TableSource] = []
     for source in sources:
-        outbox = OutboxDeliverer(
-            registry=registry, handlers=handlers, dispatcher=source.dispatcher, bus=bus, breaker=breaker
+        delivering = deliverers[source.name]
+        tables += build_tables(
+            settings, source.name, source.database, metrics, delivering.outbox, delivering.commands, tracing
         )
-        commands = CommandDeliverer(registry=registry, handlers=handlers, units=source.units)
-        tables += build_tables(settings, source.name, source.database, metrics, outbox, commands, tracing)
     return tables
 
 
@@ -538,23 +569,12 @@ class OutboxContainer(containers.DeclarativeContainer):
         reset_seconds=settings.provided.message_bus.circuit_reset_seconds,
         clock=clock,
     )
-    outbox_deliverer = providers.Singleton(
-        OutboxDeliverer, registry=registry, handlers=handlers, dispatcher=dispatcher, bus=bus, breaker=breaker
+    deliverers = providers.Singleton(
+        build_deliverers, data_sources, registry=registry, handlers=handlers, bus=bus, breaker=breaker
     )
-    command_deliverer = providers.Singleton(
-        CommandDeliverer, registry=registry, handlers=handlers, units=units_of_work
-    )
-    sources = providers.Singleton(
-        build_all_tables,
-        settings,
-        data_sources,
-        registry=registry,
-        handlers=handlers,
-        metrics=metrics,
-        tracing=tracing,
-        bus=bus,
-        breaker=breaker,
-    )
+    outbox_deliverer = providers.Callable(default_outbox_deliverer, deliverers)
+    command_deliverer = providers.Callable(default_command_deliverer, deliverers)
+    sources = providers.Singleton(build_all_tables, settings, data_sources, deliverers, metrics, tracing)
     admin = providers.Singleton(
         RelayAdministration,
         databases=providers.Callable(DataSources.databases, data_sources),
