@@ -561,6 +561,28 @@ async def test_the_outbox_command_line_takes_a_source(build: Build, storage: Sto
     assert counted == [("ledger.outbox", 0), ("ledger.internal_commands", 1)]
 
 
+def test_a_source_the_command_line_cannot_honour_is_one_line_and_status_2(tmp_path: Path) -> None:
+    env = service_env(
+        f"sqlite+aiosqlite:///{tmp_path / 'service.db'}",
+        SOURCES__LEDGER__SCHEMA="books",
+        **{CONTAINER_VARIABLE: f"{__name__}:two_contexts"},
+    )
+    result = subprocess.run(
+        service_argv("outbox", "pending"),
+        cwd=Path(__file__).parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: configuration error: SOURCES__LEDGER__SCHEMA needs a PostgreSQL database; on SQLite "
+        "give the context a file of its own (SOURCES__LEDGER__DATABASE_URL)"
+    )
+
+
 async def schedule_audit(uow: UnitOfWork) -> None:
     uow.schedule(AuditEntry(sale_id="s-0"))
 

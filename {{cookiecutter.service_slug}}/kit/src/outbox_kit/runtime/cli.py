@@ -205,6 +205,8 @@ def run(
     if getattr(args, "reload", False):
         return reload_on_change(settings, build)
     container = build(settings)
+    if args.command != "token":  # every other command reaches the contexts' storage
+        refuse_unusable_sources(container)
     if args.command == "migrate":  # the service's scripts, once per source
         migrate(project, container, args.revision)
         return 0
@@ -217,6 +219,18 @@ def run(
     elif args.command == "outbox":
         run_outbox_command(args, container)
     return 0
+
+
+def refuse_unusable_sources(container: OutboxContainer) -> None:
+    """``SOURCES__...`` that cannot be honoured (an unknown context, a schema on SQLite, two
+    contexts on one storage) end the command with the reason, like any refused setting."""
+    from outbox_kit.runtime.container import SourcesError, plan_sources
+
+    try:
+        plan_sources(container.settings(), container.modules())
+    except SourcesError as error:
+        msg = f"configuration error: {error}"
+        raise CliError(msg) from None
 
 
 def resolve(reference: T | str) -> T:
