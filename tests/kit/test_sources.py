@@ -690,15 +690,17 @@ class Fleet:
 @pytest.mark.slow
 @pytest.mark.rabbitmq
 async def test_workers_killed_at_random_lose_nothing_and_duplicate_nothing_across_two_sources(
-    build_on_postgres: Build, postgres_storage: Storage, tmp_path: Path
+    build: Build, storage: Storage, tmp_path: Path
 ) -> None:
     """300 sales drained by two worker processes (RabbitMQ between the sources) while one of them,
     chosen at random, is SIGKILLed and restarted three times: every sale is counted (the default
     source's internal command), entered in the ledger (the consumer, in the ledger's source) and
-    audited (the ledger's internal command) exactly once; nothing is dead-lettered or left."""
-    storage, namespace = postgres_storage, f"src{uuid.uuid4().hex[:8]}"
+    audited (the ledger's internal command) exactly once; nothing is dead-lettered or left. On
+    two SQLite files (the workers share them, as API and worker share the embedded file), two
+    schemas and two PostgreSQL databases."""
+    namespace = f"src{uuid.uuid4().hex[:8]}"
     bus = {"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]}
-    container = build_on_postgres(application={"namespace": namespace}, message_bus=bus)
+    container = build(application={"namespace": namespace}, message_bus=bus)
     await container.bus().start()  # declares the ledger's queue before anything is published
     source = {"SCHEMA": storage.ledger.schema_name} if storage.ledger.schema_name else {}
     env = service_env(
