@@ -183,8 +183,7 @@ async def containers(*settings: ServiceSettings) -> AsyncIterator[list[OutboxCon
 async def running_worker(container: OutboxContainer) -> AsyncIterator[None]:
     worker = container.worker()
     await worker.start()
-    listener = container.listener()
-    assert listener is not None
+    (listener,) = container.listeners()
     try:
         await asyncio.wait_for(listener.connected.wait(), 10)
         await asyncio.sleep(0.3)  # the first cycles have run: from here on the loop sleeps

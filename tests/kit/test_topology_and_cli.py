@@ -25,7 +25,7 @@ from outbox_kit.persistence.unit_of_work import (
 )
 from outbox_kit.processor.processor import PostgresListener
 from outbox_kit.runtime.cli import CliError, reload_on_change
-from outbox_kit.runtime.container import OutboxContainer, build_listener
+from outbox_kit.runtime.container import OutboxContainer, build_listeners
 from outbox_kit.runtime.settings import Environment
 from outbox_kit.testing.fixtures import acting_as, eventually, fetch, service_argv
 from outbox_kit.testing.harness import (
@@ -91,8 +91,7 @@ async def test_the_listener_reconnects_and_catches_up(postgres_url: str, make_co
     container = make_container(database={"url": postgres_url})
     wake = WakeSignal()
     event = wake.subscribe()
-    listener = build_listener(container.settings(), wake)
-    assert listener is not None
+    (listener,) = build_listeners(container.settings(), container.data_sources(), wake)
     task = asyncio.create_task(listener.run())
     try:
         await asyncio.wait_for(listener.connected.wait(), 10)

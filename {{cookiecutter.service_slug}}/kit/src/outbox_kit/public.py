@@ -11,7 +11,8 @@ breaking your code.
 * the unit of work, as use cases and handlers see it (:class:`UnitOfWork`), as entry points drive
   it (:class:`UnitOfWorkFactory`), and as adapters are built from it (:class:`AdapterScope`,
   :class:`Repository` for aggregates);
-* registration: :class:`Module` (what ``contexts/<name>/module.py`` returns),
+* registration: :class:`Module` (what ``contexts/<name>/module.py`` returns; its ``source``, a
+  :class:`ContextSource`, gives the context a database or schema of its own),
   :class:`HandlerRegistry`, :class:`UpcasterSpec`;
 * the caller: :class:`RequestContext`, :func:`current_context`, and inside an integration-event
   handler :func:`current_delivery`;
@@ -24,7 +25,7 @@ breaking your code.
 from __future__ import annotations
 
 from outbox_kit.application.context import RequestContext, current_context
-from outbox_kit.application.handlers import Handler, HandlerRegistry, Module, UpcasterSpec
+from outbox_kit.application.handlers import ContextSource, Handler, HandlerRegistry, Module, UpcasterSpec
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand
 from outbox_kit.application.unit_of_work import (
     Adapter,
@@ -37,6 +38,7 @@ from outbox_kit.consume.inbox import Delivery, current_delivery
 from outbox_kit.persistence.idempotency import IdempotencyKey, IdempotencyKeyReusedError, run_once
 from outbox_kit.persistence.repository import Repository
 from outbox_kit.persistence.tables import JSON_TYPE, upsert
+from outbox_kit.persistence.unit_of_work import CrossSourceError
 from outbox_kit.runtime.http import (
     STORABLE_TEXT,
     ErrorOut,
@@ -53,6 +55,8 @@ __all__ = [
     "STORABLE_TEXT",
     "Adapter",
     "AdapterScope",
+    "ContextSource",
+    "CrossSourceError",
     "Delivery",
     "ErrorOut",
     "Handler",

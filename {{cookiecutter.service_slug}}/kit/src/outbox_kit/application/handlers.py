@@ -28,7 +28,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand, Upcaster
 from outbox_kit.application.unit_of_work import Adapter, UnitOfWork
@@ -162,6 +164,29 @@ class UpcasterSpec:
     upcast: Upcaster
 
 
+# A PostgreSQL schema name as the kit accepts it: lower case, unquoted, at most 63 characters.
+SCHEMA_PATTERN = r"^[a-z_][a-z0-9_]{0,62}$"
+
+
+class ContextSource(BaseModel):
+    """A bounded context's own storage: another database (``database_url``), a schema of the
+    default PostgreSQL database (``schema``), or a schema of another database (both). Set by
+    ``SOURCES__<CONTEXT>__DATABASE_URL`` / ``SOURCES__<CONTEXT>__SCHEMA``, or declared as the
+    context's default in its ``module.py``."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    database_url: str | None = None
+    schema_name: str | None = Field(default=None, alias="schema", pattern=SCHEMA_PATTERN)
+
+    @model_validator(mode="after")
+    def _says_where(self) -> Self:
+        if self.database_url is None and self.schema_name is None:
+            msg = "a context's source needs a database_url, a schema, or both"
+            raise ValueError(msg)
+        return self
+
+
 @dataclass(frozen=True)
 class Module:
     """What a bounded context contributes: messages, handlers, HTTP routes, table modules."""
@@ -174,6 +199,9 @@ class Module:
     table_modules: Sequence[str] = field(default_factory=tuple)
     adapters: Mapping[type[Any], Adapter] = field(default_factory=dict)
     """Port (a Protocol the use cases ask ``uow.repository`` for) -> adapter class."""
+    source: ContextSource | None = None
+    """Where the context keeps its data when the settings say nothing (``SOURCES__<NAME>__...``
+    win): a source of its own, with its own outbox, inbox and internal-commands tables."""
     examples: Sequence[str] = ()
     """Calls a developer can try first, shown by the development banner: ``{base}`` is replaced
     by the server's address, ``{auth}`` by the ``Authorization`` header of a development token

@@ -51,7 +51,7 @@ import dataclasses
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -154,7 +154,7 @@ class ConsumePipeline:
     def __init__(
         self,
         *,
-        units: SqlUnitOfWorkFactory,
+        units: Callable[[str], SqlUnitOfWorkFactory],
         registry: MessageRegistry,
         signer: Signer,
         inbox_enabled: bool,
@@ -175,11 +175,7 @@ class ConsumePipeline:
         self._inbox = inbox_enabled
         self._metrics = metrics
         self._clock = clock
-        # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
-        # receipt last, since any write takes the database's one write lock and a slow handler
-        # would hold it (every other writer of the service waiting behind it).
-        self._receipt_first = units.database.is_postgresql
-        self._receipt: sa.Executable | None = None  # built on first use (see _receipt_statement)
+        self._receipts: dict[str, sa.Executable] = {}  # per dialect, built on first use
 
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
@@ -223,9 +219,13 @@ class ConsumePipeline:
 
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
         digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
-        async with self._units() as uow:
+        units = self._units(consumer.name)  # the consumer's context's source: its inbox, its tables
+        async with units() as uow:
             session = uow.session
-            receipt_first = self._receipt_first
+            # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
+            # receipt last, since any write takes the database's one write lock and a slow handler
+            # would hold it (every other writer of the service waiting behind it).
+            receipt_first = units.database.is_postgresql
             if self._inbox:
                 known = (
                     not await self._first_receipt(session, consumer.name, envelope, digest)
@@ -272,15 +272,17 @@ class ConsumePipeline:
     def _receipt_statement(self, session: AsyncSession) -> sa.Executable:
         """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once and bound to
         each message's values (building it per message cost more than running it)."""
-        if self._receipt is None:
+        dialect = session.get_bind().dialect.name
+        receipt = self._receipts.get(dialect)
+        if receipt is None:
             values = {column.name: sa.bindparam(column.name, type_=column.type) for column in INBOX.columns}
-            self._receipt = (
+            receipt = self._receipts[dialect] = (
                 upsert(session, INBOX)
                 .values(values)
                 .on_conflict_do_nothing(index_elements=[INBOX.c.message_id, INBOX.c.consumer])
                 .returning(INBOX.c.message_id)
             )
-        return self._receipt
+        return receipt
 
     @staticmethod
     async def _already_consumed(session: AsyncSession, message_id: str, consumer: str, digest: str) -> bool:

@@ -12,7 +12,7 @@ It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole requ
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import sqlalchemy as sa
 
@@ -26,13 +26,12 @@ from outbox_kit.operations.rows import (
     Explanation,
     PendingCount,
     ReplayResult,
+    Targets,
     TenantScope,
     explain_row,
-    one_source,
     parse_ids,
     refuse_unless_replayable,
     return_to_pending,
-    sources_named,
 )
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import DeadLetterReplay
@@ -40,12 +39,19 @@ from outbox_kit.persistence.unit_of_work import wake_replicas
 
 
 class RelayAdministration:
-    """The operator surface over both polled tables."""
+    """The operator surface over the polled tables of every source (``databases``: source name
+    -> its database, the default source first)."""
 
     def __init__(
-        self, *, database: Database, clock: Clock, wake: Callable[[], None], notify_channel: str = ""
+        self,
+        *,
+        databases: Mapping[str, Database],
+        clock: Clock,
+        wake: Callable[[], None],
+        notify_channel: str = "",
     ) -> None:
-        self._db = database
+        self._targets = Targets(databases)
+        self.targets = self._targets
         self._clock = clock
         self._wake = wake
         self._channel = notify_channel
@@ -63,8 +69,8 @@ class RelayAdministration:
             msg = f"offset must be between 0 and {MAX_OFFSET} and limit between 1 and {MAX_PAGE}"
             raise AdminError(msg)
         found: list[DeadLetter] = []
-        async with self._db.session() as session:
-            for table in sources_named(source):
+        for table in self._targets.named(source):
+            async with table.database.session() as session:
                 c = table.table.c
                 statement = (
                     sa.select(
@@ -92,26 +98,27 @@ class RelayAdministration:
         self, source: str, ids: Sequence[str], *, actor: str, scope: TenantScope = EVERY_TENANT
     ) -> ReplayResult:
         """Return dead letters to the pending pool (all or nothing) and record the replay."""
-        table = one_source(source, "replay")
+        table = self._targets.one(source, "replay")
+        database = table.database
         wanted = parse_ids(ids)
         now = self._clock()
-        async with self._db.session() as session:
+        async with database.session() as session:
             await refuse_unless_replayable(session, table, wanted, scope)
             # The replay gate's transaction is bounded like the processors' own (PostgreSQL).
-            idle = self._db.settings.bookkeeping_idle_timeout_seconds if self._db.is_postgresql else None
+            idle = database.settings.bookkeeping_idle_timeout_seconds if database.is_postgresql else None
             replayed_ids = await return_to_pending(
                 session, table, wanted, scope, gate_idle_timeout_seconds=idle
             )
             session.add(
                 DeadLetterReplay(
-                    source=table.name,
+                    source=table.polled.name,  # the audit row is in the table's own source
                     replayed_by=actor,
                     replayed_on=now,
                     message_count=len(replayed_ids),
                     message_ids=replayed_ids,
                 )
             )
-            if self._db.is_postgresql and self._channel:  # wake every replica's processor
+            if database.is_postgresql and self._channel:  # wake every replica's processor
                 await session.exec(wake_replicas(self._channel))  # type: ignore[call-overload]
             await session.commit()
         self._wake()
@@ -123,8 +130,8 @@ class RelayAdministration:
         """Rows not yet delivered (leased ones included), per source, right now."""
         counts: list[PendingCount] = []
         now = self._clock()
-        async with self._db.session() as session:
-            for table in sources_named(source):
+        for table in self._targets.named(source):
+            async with table.database.session() as session:
                 c = table.table.c
                 pending = sa.and_(c.processed_on.is_(None), c.dead_lettered_on.is_(None))
                 statement = sa.select(
@@ -138,4 +145,4 @@ class RelayAdministration:
 
     async def explain(self, source: str, row_id: str, *, scope: TenantScope = EVERY_TENANT) -> Explanation:
         """Say why one row is or is not moving."""
-        return await explain_row(self._db, self._clock, source, row_id, scope=scope)
+        return await explain_row(self._targets.one(source, "explain"), self._clock, row_id, scope=scope)

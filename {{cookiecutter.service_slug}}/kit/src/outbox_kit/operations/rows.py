@@ -17,7 +17,7 @@ later row of its key that a claim under way took."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -28,11 +28,11 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from outbox_kit.application.observability import Clock
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import (
+    DEFAULT_SOURCE,
     PAUSED_PREFIX,
     POLLED_TABLES,
     PolledTable,
-    UnknownSourceError,
-    source_named,
+    qualified_name,
 )
 from outbox_kit.processor.claim import replay_gate
 
@@ -132,18 +132,66 @@ class RowNotFoundError(AdminError):
     """The id names no row of the source (the admin API answers 404)."""
 
 
-def sources_named(name: str | None) -> list[PolledTable]:
-    try:
-        return list(POLLED_TABLES.values()) if name in (None, "", "all") else [source_named(str(name))]
-    except UnknownSourceError as error:
-        raise AdminError(str(error)) from None
+@dataclass(frozen=True)
+class Target:
+    """One polled table of one source, by the name operators use for it (``outbox``,
+    ``notifications.outbox``)."""
+
+    name: str
+    database: Database
+    polled: PolledTable
+
+    @property
+    def table(self) -> sa.Table:
+        return self.polled.table
+
+    @property
+    def name_column(self) -> str:
+        return self.polled.name_column
 
 
-def one_source(name: str | None, verb: str) -> PolledTable:
-    if name in (None, "", "all"):
-        msg = f"{verb} needs one source: {' or '.join(POLLED_TABLES)}"
+class Targets:
+    """The polled tables of every source. A request names all of them (no name, ``all``), one
+    source's (``notifications``), or one table (``outbox`` and ``internal_commands`` are the
+    default source's; ``notifications.outbox`` is another source's)."""
+
+    def __init__(self, databases: Mapping[str, Database]) -> None:
+        self._by_source = {
+            source: [
+                Target(qualified_name(source, polled.name), database, polled)
+                for polled in POLLED_TABLES.values()
+            ]
+            for source, database in databases.items()
+        }
+        self._by_name = {target.name: target for targets in self._by_source.values() for target in targets}
+
+    @property
+    def tables(self) -> list[str]:
+        """Every name that selects one table."""
+        return list(self._by_name)
+
+    @property
+    def selections(self) -> list[str]:
+        """Every name a request may give: a table, or a source other than the default."""
+        return [*self._by_name, *(source for source in self._by_source if source != DEFAULT_SOURCE)]
+
+    def named(self, name: str | None) -> list[Target]:
+        if name in (None, "", "all"):
+            return list(self._by_name.values())
+        name = str(name)
+        if name in self._by_name:
+            return [self._by_name[name]]
+        if name in self._by_source:
+            return self._by_source[name]
+        msg = f"unknown source {name!r}; use one of: {', '.join(self.selections)}"
         raise AdminError(msg)
-    return sources_named(name)[0]
+
+    def one(self, name: str | None, verb: str) -> Target:
+        found = [] if name in (None, "", "all") else self.named(name)
+        if len(found) != 1:
+            msg = f"{verb} needs one source: {' or '.join(self._by_name)}"
+            raise AdminError(msg)
+        return found[0]
 
 
 def parse_ids(ids: Sequence[str]) -> list[uuid.UUID]:
@@ -161,10 +209,10 @@ def parse_ids(ids: Sequence[str]) -> list[uuid.UUID]:
 
 
 async def explain_row(
-    database: Database, clock: Clock, source: str, row_id: str, *, scope: TenantScope = EVERY_TENANT
+    target: Target, clock: Clock, row_id: str, *, scope: TenantScope = EVERY_TENANT
 ) -> Explanation:
     """Say why one row is or is not moving."""
-    table = one_source(source, "explain")
+    table, database = target.polled, target.database
     (wanted,) = parse_ids([row_id])
     c = table.table.c
     now = clock()
@@ -173,7 +221,7 @@ async def explain_row(
             await session.exec(sa.select(table.table).where(c.id == wanted, scope.admits(table.table)))  # type: ignore[call-overload]
         ).first()
         if row is None:
-            msg = f"no {table.name} row has id {row_id}"
+            msg = f"no {target.name} row has id {row_id}"
             raise RowNotFoundError(msg)
         blocker = None
         if row.ordering_key is not None and row.processed_on is None and row.dead_lettered_on is None:
@@ -210,7 +258,7 @@ async def explain_row(
         "correlation_id": row.correlation_id,
     }
     return Explanation(
-        source=table.name,
+        source=target.name,
         id=str(row.id),
         name=getattr(row, table.name_column),
         state=state,
@@ -264,7 +312,7 @@ def _diagnose(row: Any, blocker: str | None, now: datetime) -> tuple[str, str]: 
 
 
 async def refuse_unless_replayable(
-    session: AsyncSession, table: PolledTable, wanted: list[uuid.UUID], scope: TenantScope
+    session: AsyncSession, table: Target, wanted: list[uuid.UUID], scope: TenantScope
 ) -> None:
     """Every id must name a dead letter the caller may see (another tenant's row is unknown)."""
     c = table.table.c
@@ -286,7 +334,7 @@ async def refuse_unless_replayable(
 
 async def return_to_pending(
     session: AsyncSession,
-    table: PolledTable,
+    table: Target,
     wanted: list[uuid.UUID],
     scope: TenantScope,
     *,

@@ -276,10 +276,15 @@ IDLE_SINCE = "outbox_kit.idle_since"
 
 
 class Database:
-    """Owns the engine; hands out sessions. Built once by the container."""
+    """Owns the engine; hands out sessions. Built once per source by the container.
 
-    def __init__(self, settings: DatabaseSettings) -> None:
+    ``schema`` (PostgreSQL) puts every table of this database object in that schema: each
+    connection's ``search_path`` is the schema alone, so the same table definitions, statements
+    and migrations serve a source kept in a schema of its own."""
+
+    def __init__(self, settings: DatabaseSettings, *, schema: str | None = None) -> None:
         self.settings = settings
+        self.schema = schema
         self.url = make_url(settings.url)
         self.engine: AsyncEngine = self._create_engine()
         self.sessions = async_sessionmaker(
@@ -347,6 +352,8 @@ class Database:
         """asyncpg's time limits (see the module docstring) and ``server_settings``."""
         settings = self.settings
         statement_ms = max(1, int(settings.statement_timeout_seconds * 1000))
+        if self.schema is not None:
+            server_settings = {"search_path": self.schema, **server_settings}
         return {
             "timeout": settings.connect_timeout_seconds,
             "command_timeout": settings.client_timeout_seconds,

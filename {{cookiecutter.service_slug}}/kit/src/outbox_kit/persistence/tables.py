@@ -214,18 +214,14 @@ INBOX_TABLE: sa.Table = InboxMessage.__table__  # type: ignore[attr-defined]
 IDEMPOTENCY_KEYS_TABLE: sa.Table = IdempotencyKeyRow.__table__  # type: ignore[attr-defined]
 
 
-class UnknownSourceError(LookupError):
-    """The operator named a source this service does not have."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"unknown source {name!r}; use one of: {', '.join(POLLED_TABLES)}")
+# The source of every context without one of its own (``SOURCES__<CONTEXT>__...``).
+DEFAULT_SOURCE = "default"
 
 
-def source_named(name: str) -> PolledTable:
-    try:
-        return POLLED_TABLES[name]
-    except KeyError:
-        raise UnknownSourceError(name) from None
+def qualified_name(source: str, table: str) -> str:
+    """A polled table by the name operators, metrics and logs use: ``outbox`` in the default
+    source, ``notifications.outbox`` in the source of the ``notifications`` context."""
+    return table if source == DEFAULT_SOURCE else f"{source}.{table}"
 
 
 def upsert(session: AsyncSession, table: sa.Table) -> postgresql.Insert | sqlite.Insert:

@@ -502,6 +502,7 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         """
         repository = self._repositories.get(port)
         if repository is None:
+            self._factory.refuse_foreign(port)
             adapter = self._factory.adapters.get(port, port)
             repository = adapter(self)
             self._repositories[port] = repository
@@ -592,8 +593,23 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
             )
 
 
+class CrossSourceError(RuntimeError):
+    """A unit of work asked for a port whose context keeps its data in another source."""
+
+    def __init__(self, port: type[Any], here: str, there: str) -> None:
+        super().__init__(
+            f"{port.__qualname__} belongs to source {there!r}, but this unit of work writes to source "
+            f"{here!r}: one transaction cannot span two sources. Enqueue an integration event "
+            f"(uow.enqueue) and let a handler of the context in {there!r} make the change there."
+        )
+        self.here, self.there = here, there
+
+
 class SqlUnitOfWorkFactory:
-    """``factory()`` gives a new, unopened unit of work."""
+    """``factory()`` gives a new, unopened unit of work on one source's database.
+
+    ``foreign_ports`` names the source of every port whose context lives in another source: a
+    unit of work of this factory refuses them (:class:`CrossSourceError`)."""
 
     def __init__(
         self,
@@ -605,7 +621,11 @@ class SqlUnitOfWorkFactory:
         wake: Callable[[], None],
         outbox_enabled: bool,
         adapters: Mapping[type[Any], Adapter] | None = None,
+        source: str = "default",
+        foreign_ports: Mapping[type[Any], str] | None = None,
     ) -> None:
+        self.source = source
+        self.foreign_ports: Mapping[type[Any], str] = dict(foreign_ports or {})
         self.database = database
         self.writer = writer
         self.after_commit = after_commit
@@ -617,6 +637,11 @@ class SqlUnitOfWorkFactory:
 
     def __call__(self, *, depth: int = 0) -> SqlUnitOfWork:
         return SqlUnitOfWork(self, depth=depth)
+
+    def refuse_foreign(self, port: type[Any]) -> None:
+        there = self.foreign_ports.get(port)
+        if there is not None:
+            raise CrossSourceError(port, self.source, there)
 
     async def transient_pause(self, attempt: int, error: DBAPIError) -> None:
         log.warning(

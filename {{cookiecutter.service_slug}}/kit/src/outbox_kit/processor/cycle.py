@@ -186,7 +186,7 @@ class TableSource:
         self.name = name
         self.table = table
         self.settings = settings
-        self._db = database
+        self.database = database
         self._deliverer = deliverer
         self._clock = clock
         self._instance_id = instance_id
@@ -216,7 +216,7 @@ class TableSource:
         return CycleShutdown(
             name=self.name,
             timeout_seconds=self.settings.shutdown_timeout_seconds,
-            database=self._db,
+            database=self.database,
             leases=self.leases,
         )
 
@@ -229,7 +229,7 @@ class TableSource:
         until = lease_until(now, self.settings.lease_seconds)
         # A transaction of its own, not one autocommitted statement: on PostgreSQL the claim
         # holds its table's replay gate through its statement (``replay_gate``).
-        async with self._db.bookkeeping() as connection:
+        async with self.database.bookkeeping() as connection:
             rows = await self._claimer.claim(
                 connection, now=now, lease_until=until, token=token, locked_by=self._instance_id
             )
@@ -255,7 +255,9 @@ class TableSource:
         rows = await self._shutdown.claim(self.claim(token, now), token, until)  # a stop here releases them
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
         # Handlers each hold a database session: no more at once than the pool has connections.
-        handlers = asyncio.Semaphore(min(self.settings.delivery_concurrency, self._db.settings.pool_size))
+        handlers = asyncio.Semaphore(
+            min(self.settings.delivery_concurrency, self.database.settings.pool_size)
+        )
         started: set[uuid.UUID] = set()
         stamps = self.outcomes.stamps
         stamps.expect(len(rows))  # the batch's stamps wait for each other, not for the next batch
@@ -394,7 +396,7 @@ class TableSource:
             pending, t.locked_until.is_(None), t.available_on > seen_until
         )
         both = sa.select(leased.scalar_subquery(), waiting.scalar_subquery())  # one round trip
-        async with self._db.bookkeeping_statement() as connection:
+        async with self.database.bookkeeping_statement() as connection:
             first, second = (await connection.execute(both)).one()
         candidates = [d for d in (first, second) if d is not None]
         return min(candidates) if candidates else None

@@ -45,7 +45,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Annotated, Any, Literal
@@ -53,14 +53,16 @@ from urllib.parse import urlsplit
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from outbox_kit.application.context import RequestContext
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.observability import Tracing
 from outbox_kit.application.text import mask_credentials
+from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.rows import (
     EVERY_TENANT,
@@ -68,8 +70,10 @@ from outbox_kit.operations.rows import (
     MAX_PAGE,
     AdminError,
     RowNotFoundError,
+    Targets,
     TenantScope,
 )
+from outbox_kit.persistence.tables import DEFAULT_SOURCE
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 from outbox_kit.runtime.http import (
     Bearer,
@@ -127,10 +131,20 @@ def create_app(container: OutboxContainer, *, with_worker: bool = False) -> Fast
 
     add_probe_routes(app, container, worker=container.worker() if with_worker else None)
     add_asyncapi_route(app, container)
-    app.include_router(build_admin_router(settings.auth.admin_role, settings.auth.operator_role))
+    admin_router = build_admin_router(
+        settings.auth.admin_role, settings.auth.operator_role, container.admin().targets
+    )
+    app.include_router(admin_router)
+    # A context's routes get the units of work of its source (``units_of_work`` looks the
+    # matched endpoint up here); anything else gets the default source's.
+    sources = container.data_sources()
+    by_endpoint: dict[Callable[..., Any], UnitOfWorkFactory] = {}
     for module in container.modules():
+        units = sources.of_context(module.name).units
         for router in module.routers:
             app.include_router(router)
+            by_endpoint |= {route.endpoint: units for route in router.routes if isinstance(route, APIRoute)}
+    app.state.units_by_endpoint = by_endpoint
     return app
 
 
@@ -190,7 +204,12 @@ def add_probe_routes(app: FastAPI, container: OutboxContainer, *, worker: Worker
 
     @app.get("/readyz", tags=["health"], responses={503: {"description": "The database or broker is down"}})
     async def readyz() -> JSONResponse:
-        probes = {"database": container.database().ping, "bus": container.bus().ping}
+        # One line per source: "database" is the default source's, "database:<source>" another's.
+        probes = {
+            "database" if source.name == DEFAULT_SOURCE else f"database:{source.name}": source.database.ping
+            for source in container.data_sources()
+        }
+        probes["bus"] = container.bus().ping
         timeout = container.settings().api.readiness_timeout_seconds
         results = await asyncio.gather(*(_check(probe, timeout) for probe in probes.values()))
         checks = dict(zip(probes, results, strict=True))
@@ -260,7 +279,7 @@ async def stop_within_deadline(
                 await worker.stop()  # processors first, then consumers and the bus
             else:
                 await container.bus().stop()
-            await container.database().dispose()
+            await container.data_sources().dispose()
     except TimeoutError:
         log.error(  # noqa: TRY400 (the deadline, not a fault: no traceback to show)
             "shutdown: not finished within %g s (twice OUTBOX__SHUTDOWN_TIMEOUT_SECONDS with a "
@@ -323,15 +342,22 @@ class Administrator:
     scope: TenantScope
 
 
-# The polled tables an operator names; in a query, leaving it out means both.
-Source = Literal["outbox", "internal_commands"]
+def one_of(names: Sequence[str]) -> Any:  # noqa: ANN401 (a type built at run time)
+    """``Literal[names]``: the schema names every value an operator may give (anything else is
+    422), since which sources exist is the service's configuration."""
+    return Literal.__getitem__(tuple(names))
 
 
 class ReplayIn(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a field it does not know (a typo, an actor) is 422
 
-    source: Source = "outbox"
+    source: str = "outbox"
     ids: list[uuid.UUID] = Field(min_length=1, max_length=1000)
+
+
+def replay_body(tables: Sequence[str]) -> type[ReplayIn]:
+    """:class:`ReplayIn` whose ``source`` is one of this service's tables."""
+    return create_model("ReplayIn", __base__=ReplayIn, source=(one_of(tables), "outbox"))
 
 
 def administration(request: Request) -> RelayAdministration:
@@ -361,20 +387,22 @@ def administrator_of(admin_role: str, operator_role: str) -> Callable[[Request],
     return administrator
 
 
-def build_admin_router(admin_role: str, operator_role: str) -> APIRouter:
+def build_admin_router(admin_role: str, operator_role: str, targets: Targets) -> APIRouter:
+    """The admin API; ``targets`` says which tables and sources a request may name (in a query,
+    leaving the source out means every table of every source)."""
     router = APIRouter(prefix="/admin/outbox", tags=["admin"], responses=error_responses(400, 401, 403))
     admin = Annotated[Administrator, Depends(administrator_of(admin_role, operator_role))]
-    _add_dead_letter_routes(router, admin)
-    _add_row_routes(router, admin)
+    _add_dead_letter_routes(router, admin, one_of(targets.selections), replay_body(targets.tables))
+    _add_row_routes(router, admin, one_of(targets.selections), one_of(targets.tables))
     return router
 
 
-def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N803, ANN401 (an Annotated alias)
+def _add_dead_letter_routes(router: APIRouter, Admin: Any, Selection: Any, Replay: Any) -> None:  # noqa: N803, ANN401 (types built at run time)
     @router.get("/dead-letters")
     async def list_dead_letters(
         admin: Admin,
         service: Service,
-        source: Source | None = None,
+        source: Selection | None = None,
         offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
         limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 50,
     ) -> list[dict[str, Any]]:
@@ -385,7 +413,7 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N80
             raise fail(error) from error
 
     @router.post("/dead-letters/replay", responses=error_responses(404))
-    async def replay(body: ReplayIn, admin: Admin, service: Service) -> dict[str, Any]:
+    async def replay(body: Replay, admin: Admin, service: Service) -> dict[str, Any]:
         try:
             actor = admin.context.user_id or "unknown"
             ids = [str(row_id) for row_id in body.ids]
@@ -395,16 +423,18 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N80
         return asdict(result)
 
 
-def _add_row_routes(router: APIRouter, Admin: Any) -> None:  # noqa: N803, ANN401 (an Annotated alias)
+def _add_row_routes(router: APIRouter, Admin: Any, Selection: Any, Table: Any) -> None:  # noqa: N803, ANN401 (types built at run time)
     @router.get("/pending")
-    async def pending(admin: Admin, service: Service, source: Source | None = None) -> list[dict[str, Any]]:
+    async def pending(
+        admin: Admin, service: Service, source: Selection | None = None
+    ) -> list[dict[str, Any]]:
         try:
             return [asdict(c) for c in await service.count_pending(source, scope=admin.scope)]
         except AdminError as error:
             raise fail(error) from error
 
     @router.get("/{source}/{row_id}/explain", responses=error_responses(404))
-    async def explain(source: Source, row_id: uuid.UUID, admin: Admin, service: Service) -> dict[str, Any]:
+    async def explain(source: Table, row_id: uuid.UUID, admin: Admin, service: Service) -> dict[str, Any]:
         try:
             return asdict(await service.explain(source, str(row_id), scope=admin.scope))
         except AdminError as error:

@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 # importing a database driver, a broker client or a web framework, and `token` or `outbox` load
 # none of the server.
 log = logging.getLogger(__name__)
+
+SELECTION_HELP = "a table (outbox, internal_commands, <source>.outbox) or a source; default: every table"
+TABLE_HELP = "the table: outbox, internal_commands, <source>.outbox or <source>.internal_commands"
 T = TypeVar("T")
 SettingsT = TypeVar("SettingsT", bound="ServiceSettings")
 EXIT_CONFIG = 2
@@ -117,7 +120,7 @@ def build_parser(
     worker.add_argument(
         "--port", type=int, default=None, help="serve /livez, /readyz, /metrics (default WORKER__PORT: none)"
     )
-    migrate = commands.add_parser("migrate", help="apply the database migrations")
+    migrate = commands.add_parser("migrate", help="apply the database migrations, in every source")
     migrate.add_argument("--revision", default="head")
     token = commands.add_parser("token", help="print a development JWT")
     token.add_argument("--tenant", required=True)
@@ -129,13 +132,25 @@ def build_parser(
         dest="outbox_command", required=True
     )
     pending = outbox.add_parser("pending", help="count rows not yet delivered")
-    pending.add_argument("--source", default=None)
+    pending.add_argument(
+        "--source",
+        default=None,
+        help=SELECTION_HELP,
+    )
     letters = outbox.add_parser("dead-letters", help="list dead letters, oldest first")
-    letters.add_argument("--source", default=None)
+    letters.add_argument(
+        "--source",
+        default=None,
+        help=SELECTION_HELP,
+    )
     letters.add_argument("--offset", type=int, default=0)
     letters.add_argument("--limit", type=int, default=50)
     replay = outbox.add_parser("replay", help="return dead letters to the pending pool")
-    replay.add_argument("--source", default="outbox")
+    replay.add_argument(
+        "--source",
+        default="outbox",
+        help=TABLE_HELP,
+    )
     replay.add_argument(
         "--actor",
         default=f"cli:{login_name()}",
@@ -143,7 +158,11 @@ def build_parser(
     )
     replay.add_argument("ids", nargs="+")
     explain = outbox.add_parser("explain", help="say why a row is or is not moving")
-    explain.add_argument("--source", default="outbox")
+    explain.add_argument(
+        "--source",
+        default="outbox",
+        help=TABLE_HELP,
+    )
     explain.add_argument("id")
     for operation in (pending, letters, replay, explain):
         operation.add_argument(
@@ -185,10 +204,12 @@ def run(
     build: Callable[[SettingsT], OutboxContainer] = resolve(build_container)
     if getattr(args, "reload", False):
         return reload_on_change(settings, build)
-    if args.command == "migrate":  # the service's scripts: no container needed
-        upgrade(project, settings.database.url, args.revision)
-        return 0
     container = build(settings)
+    if args.command != "token":  # every other command reaches the contexts' storage
+        refuse_unusable_sources(container)
+    if args.command == "migrate":  # the service's scripts, once per source
+        migrate(project, container, args.revision)
+        return 0
     if args.command in ("run", "api", "worker"):
         _serve(args, settings, container)
     elif args.command == "token":
@@ -198,6 +219,18 @@ def run(
     elif args.command == "outbox":
         run_outbox_command(args, container)
     return 0
+
+
+def refuse_unusable_sources(container: OutboxContainer) -> None:
+    """``SOURCES__...`` that cannot be honoured (an unknown context, a schema on SQLite, two
+    contexts on one storage) end the command with the reason, like any refused setting."""
+    from outbox_kit.runtime.container import SourcesError, plan_sources
+
+    try:
+        plan_sources(container.settings(), container.modules())
+    except SourcesError as error:
+        msg = f"configuration error: {error}"
+        raise CliError(msg) from None
 
 
 def resolve(reference: T | str) -> T:
@@ -417,9 +450,9 @@ def configure_logging(settings: LoggingSettings) -> None:
     root.setLevel(settings.level.upper())
 
 
-def alembic_config(project: Path, database_url: str | None = None) -> Config:
+def alembic_config(project: Path, database_url: str | None = None, schema: str | None = None) -> Config:
     """The service's ``alembic.ini`` (``ALEMBIC_CONFIG``, the working directory, or
-    ``project``), pointed at ``database_url`` when given."""
+    ``project``), pointed at ``database_url`` and ``schema`` (a source's) when given."""
     from alembic.config import Config
 
     candidates = [os.environ.get("ALEMBIC_CONFIG"), "alembic.ini", str(project / "alembic.ini")]
@@ -431,24 +464,42 @@ def alembic_config(project: Path, database_url: str | None = None) -> Config:
     config.set_main_option("script_location", str(path.parent / "migrations"))
     if database_url:
         config.attributes["database_url"] = database_url
+    if schema:
+        config.attributes["schema"] = schema
     return config
 
 
-def upgrade(project: Path, database_url: str | None = None, revision: str = "head") -> None:
-    """The service's migrations up to ``revision`` (``migrate`` and the test fixtures)."""
+def upgrade(
+    project: Path, database_url: str | None = None, revision: str = "head", *, schema: str | None = None
+) -> None:
+    """The service's migrations up to ``revision`` in one database (or one schema of it)."""
     from alembic import command
 
-    command.upgrade(alembic_config(project, database_url), revision)
+    command.upgrade(alembic_config(project, database_url, schema), revision)
 
 
-def downgrade(project: Path, database_url: str | None = None, revision: str = "base") -> None:
+def downgrade(
+    project: Path, database_url: str | None = None, revision: str = "base", *, schema: str | None = None
+) -> None:
     from alembic import command
 
-    command.downgrade(alembic_config(project, database_url), revision)
+    command.downgrade(alembic_config(project, database_url, schema), revision)
 
 
-def check(project: Path, database_url: str | None = None) -> None:
+def check(project: Path, database_url: str | None = None, *, schema: str | None = None) -> None:
     """Raise when the models and the migrations disagree (``alembic check``)."""
     from alembic import command
 
-    command.check(alembic_config(project, database_url))
+    command.check(alembic_config(project, database_url, schema))
+
+
+def migrate(project: Path, container: OutboxContainer, revision: str = "head") -> list[str]:
+    """``migrate``: the service's migrations up to ``revision`` in every source, the default
+    first; each source keeps its own version table. Returns the sources migrated."""
+    from outbox_kit.runtime.container import plan_sources
+
+    plans = plan_sources(container.settings(), container.modules())
+    for plan in plans:
+        log.info("migrating source %s", plan.name)
+        upgrade(project, plan.database.url, revision, schema=plan.schema)
+    return [plan.name for plan in plans]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 
 from dependency_injector import containers, providers
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -24,6 +26,7 @@ from prometheus_fastapi_instrumentator import metrics as http_metrics
 from outbox_kit.application.handlers import HandlerRegistry, Module, collect_adapters
 from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.application.observability import (
+    Clock,
     NoTracing,
     OpenTelemetryTracing,
     RelayMetrics,
@@ -34,8 +37,14 @@ from outbox_kit.consume.bus import InProcessBus
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.retention import RetentionCleaner, RetentionPolicy
-from outbox_kit.persistence.database import Database
-from outbox_kit.persistence.tables import INTERNAL_COMMANDS, OUTBOX, PolledTable
+from outbox_kit.persistence.database import Database, DatabaseSettings
+from outbox_kit.persistence.tables import (
+    DEFAULT_SOURCE,
+    INTERNAL_COMMANDS,
+    OUTBOX,
+    PolledTable,
+    qualified_name,
+)
 from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory, WakeSignal, notify_channel
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
@@ -117,29 +126,33 @@ def build_dispatcher(
     )
 
 
-def source_settings(settings: ServiceSettings) -> SourceSettings:
-    return SourceSettings.of(settings.outbox, single_writer=not settings.database.is_postgresql)
+def source_settings(settings: ServiceSettings, database: Database) -> SourceSettings:
+    """The processor settings of a table in ``database`` (SQLite has a single writer)."""
+    return SourceSettings.of(settings.outbox, single_writer=not database.is_postgresql)
 
 
-def build_sources(  # noqa: PLR0917 (the container passes providers positionally)
+def build_tables(  # noqa: PLR0917 (one source's drained tables, from its parts)
     settings: ServiceSettings,
+    source: str,
     database: Database,
     metrics: RelayMetrics,
     outbox_deliverer: OutboxDeliverer,
     command_deliverer: CommandDeliverer,
     tracing: Tracing,
 ) -> list[TableSource]:
-    """The tables this process drains: internal commands always, the outbox when enabled."""
+    """The tables this process drains in one source: internal commands always, the outbox when
+    enabled. The default source's keep their plain names (``outbox``); another source's carry
+    its name (``notifications.outbox``): metrics, logs and the operator commands say which."""
     drained: list[tuple[PolledTable, Deliverer]] = [(INTERNAL_COMMANDS, command_deliverer)]
     if settings.message_bus.outbox_enabled:
         drained.insert(0, (OUTBOX, outbox_deliverer))
     return [
         TableSource(
-            name=polled.name,
+            name=qualified_name(source, polled.name),
             table=polled.table,
             name_column=polled.name_column,
             deliverer=deliverer,
-            settings=source_settings(settings),
+            settings=source_settings(settings, database),
             database=database,
             clock=system_clock,
             instance_id=instance_id(settings),
@@ -150,17 +163,263 @@ def build_sources(  # noqa: PLR0917 (the container passes providers positionally
     ]
 
 
+# -- the sources: where each context keeps its data, and the relay of each ------------------
+
+
+class SourcesError(ValueError):
+    """The ``SOURCES__...`` settings (or a context's declared source) cannot be honoured."""
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """One source as the settings and the contexts declare it."""
+
+    name: str
+    database: DatabaseSettings
+    schema: str | None
+    contexts: tuple[str, ...]
+
+
+def plan_sources(settings: ServiceSettings, modules: Sequence[Module]) -> list[SourcePlan]:
+    """The default source (``DATABASE__URL``, every context without a source of its own) and one
+    source per context that has one, by ``SOURCES__<CONTEXT>__...`` or its module's declaration."""
+    names = [module.name for module in modules]
+    unknown = sorted(set(settings.sources) - set(names))
+    if unknown:
+        msg = (
+            f"SOURCES__{unknown[0].upper()}: no bounded context is named {unknown[0]!r} "
+            f"(contexts: {', '.join(names)})"
+        )
+        raise SourcesError(msg)
+    declared = {module.name: settings.sources.get(module.name) or module.source for module in modules}
+    default = SourcePlan(
+        DEFAULT_SOURCE, settings.database, None, tuple(name for name in names if declared[name] is None)
+    )
+    plans = [default]
+    storage: dict[tuple[str, str | None], str] = {(settings.database.url, None): DEFAULT_SOURCE}
+    for name in names:
+        source = declared[name]
+        if source is None:
+            continue
+        database = settings.database.model_copy(update={"url": source.database_url or settings.database.url})
+        where = f"SOURCES__{name.upper()}"
+        if name == DEFAULT_SOURCE:
+            msg = f"{where}: a context named {DEFAULT_SOURCE!r} cannot have a source of its own"
+            raise SourcesError(msg)
+        if source.schema_name is not None and not database.is_postgresql:
+            msg = (
+                f"{where}__SCHEMA needs a PostgreSQL database; on SQLite give the context a file "
+                f"of its own ({where}__DATABASE_URL)"
+            )
+            raise SourcesError(msg)
+        key = (database.url, source.schema_name)
+        if key in storage:
+            msg = (
+                f"{where}: the context would share the storage of source {storage[key]!r}; "
+                "give it another database or schema"
+            )
+            raise SourcesError(msg)
+        storage[key] = name
+        plans.append(SourcePlan(name, database, source.schema_name, (name,)))
+    return plans
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One source's database and the relay parts bound to it: a unit of work of ``units``
+    writes only here, and the outbox, inbox and internal-commands rows it writes are this
+    source's."""
+
+    name: str
+    contexts: tuple[str, ...]
+    database: Database
+    units: SqlUnitOfWorkFactory
+    dispatcher: LocalDispatcher
+    cleaner: RetentionCleaner
+
+
+class DataSources:
+    """Every source of the service, the default first; which source a context and a consumer
+    write to."""
+
+    def __init__(self, sources: Sequence[DataSource], consumers: Mapping[str, str]) -> None:
+        self._sources = {source.name: source for source in sources}
+        self._of_context = {context: source for source in sources for context in source.contexts}
+        self._consumers = consumers
+
+    def __iter__(self) -> Iterator[DataSource]:
+        return iter(self._sources.values())
+
+    @property
+    def default(self) -> DataSource:
+        return self._sources[DEFAULT_SOURCE]
+
+    # The default source's parts, as the container's providers of the same names give them.
+    def default_database(self) -> Database:
+        return self.default.database
+
+    def default_units(self) -> SqlUnitOfWorkFactory:
+        return self.default.units
+
+    def default_dispatcher(self) -> LocalDispatcher:
+        return self.default.dispatcher
+
+    def default_cleaner(self) -> RetentionCleaner:
+        return self.default.cleaner
+
+    def cleaners(self) -> list[RetentionCleaner]:
+        return [source.cleaner for source in self]
+
+    def databases(self) -> dict[str, Database]:
+        return {source.name: source.database for source in self}
+
+    async def dispose(self) -> None:
+        """Close every source's connections (a process's or a test's end)."""
+        for source in self:
+            await source.database.dispose()
+
+    def named(self, name: str) -> DataSource:
+        try:
+            return self._sources[name]
+        except KeyError:
+            msg = f"unknown source {name!r}; this service has: {', '.join(self._sources)}"
+            raise LookupError(msg) from None
+
+    def of_context(self, context: str) -> DataSource:
+        return self._of_context.get(context, self.default)
+
+    def units_for_consumer(self, consumer: str) -> SqlUnitOfWorkFactory:
+        """The unit-of-work factory of the source whose context registered ``consumer``: its
+        inbox row and the handler's effects commit in that source."""
+        return self.of_context(self._consumers.get(consumer, "")).units
+
+
+def consumer_contexts(modules: Sequence[Module]) -> dict[str, str]:
+    """Consumer name -> the context that registers it (each context's handlers, registered on
+    a scratch registry: registering has no effect but the registry's)."""
+    found: dict[str, str] = {}
+    for module in modules:
+        if module.register_handlers is not None:
+            scratch = HandlerRegistry()
+            module.register_handlers(scratch)
+            found |= {consumer.name: module.name for consumer in scratch.consumers}
+    return found
+
+
+def build_data_sources(
+    settings: ServiceSettings,
+    modules: list[Module],
+    *,
+    registry: MessageRegistry,
+    handlers: HandlerRegistry,
+    metrics: RelayMetrics,
+    tracing: Tracing,
+    wake: WakeSignal,
+    clock: Clock,
+    bus: Callable[[], MessageBus],
+) -> DataSources:
+    plans = plan_sources(settings, modules)
+    source_of_context = {context: plan.name for plan in plans for context in plan.contexts}
+    source_of_port = {port: source_of_context[m.name] for m in modules for port in m.adapters}
+    adapters = collect_adapters(modules)
+    built = []
+    for plan in plans:
+        database = build_database(plan.database, tracing, schema=plan.schema)
+        factory: list[SqlUnitOfWorkFactory] = []  # the dispatcher reaches it once it exists
+        dispatcher = build_dispatcher(
+            settings, handlers, registry, metrics, units=partial(factory.__getitem__, 0), bus=bus
+        )
+        factory.append(
+            SqlUnitOfWorkFactory(
+                database=database,
+                writer=build_writer(settings, registry, handlers, database),
+                after_commit=dispatcher,
+                clock=clock,
+                wake=wake.set,
+                outbox_enabled=settings.message_bus.outbox_enabled,
+                adapters=adapters,
+                source=plan.name,
+                foreign_ports={port: there for port, there in source_of_port.items() if there != plan.name},
+            )
+        )
+        cleaner = RetentionCleaner(
+            database=database, policy=retention_policy(settings), clock=clock, metrics=metrics
+        )
+        built.append(DataSource(plan.name, plan.contexts, database, factory[0], dispatcher, cleaner))
+    return DataSources(built, consumer_contexts(modules))
+
+
+@dataclass(frozen=True)
+class SourceDeliverers:
+    """What one source's processors deliver with: the outbox's and the internal commands'."""
+
+    outbox: OutboxDeliverer
+    commands: CommandDeliverer
+
+
+def build_deliverers(
+    sources: DataSources,
+    *,
+    registry: MessageRegistry,
+    handlers: HandlerRegistry,
+    bus: MessageBus,
+    breaker: CircuitBreaker,
+) -> dict[str, SourceDeliverers]:
+    """Each source's deliverers, by source (one publishing breaker: the broker is shared)."""
+    return {
+        source.name: SourceDeliverers(
+            OutboxDeliverer(
+                registry=registry, handlers=handlers, dispatcher=source.dispatcher, bus=bus, breaker=breaker
+            ),
+            CommandDeliverer(registry=registry, handlers=handlers, units=source.units),
+        )
+        for source in sources
+    }
+
+
+def default_outbox_deliverer(deliverers: Mapping[str, SourceDeliverers]) -> OutboxDeliverer:
+    return deliverers[DEFAULT_SOURCE].outbox
+
+
+def default_command_deliverer(deliverers: Mapping[str, SourceDeliverers]) -> CommandDeliverer:
+    return deliverers[DEFAULT_SOURCE].commands
+
+
+def build_all_tables(
+    settings: ServiceSettings,
+    sources: DataSources,
+    deliverers: Mapping[str, SourceDeliverers],
+    metrics: RelayMetrics,
+    tracing: Tracing,
+) -> list[TableSource]:
+    """Every polled table of every source (one database each: a source that is down fails only
+    its own cycles)."""
+    tables: list[TableSource] = []
+    for source in sources:
+        delivering = deliverers[source.name]
+        tables += build_tables(
+            settings, source.name, source.database, metrics, delivering.outbox, delivering.commands, tracing
+        )
+    return tables
+
+
 def retention_policy(settings: ServiceSettings) -> RetentionPolicy:
     return RetentionPolicy.of(
         settings.outbox, settings.inbox, idempotency_key_hours=settings.api.idempotency_key_retention_hours
     )
 
 
-def build_listener(settings: ServiceSettings, wake: WakeSignal) -> PostgresListener | None:
-    if not settings.database.is_postgresql:
-        return None
-    dsn = settings.database.url.replace("postgresql+asyncpg://", "postgresql://", 1)
-    return PostgresListener(dsn, notify_channel(settings.application.namespace), wake)
+def build_listeners(
+    settings: ServiceSettings, sources: DataSources, wake: WakeSignal
+) -> list[PostgresListener]:
+    """One LISTEN connection per PostgreSQL database (a NOTIFY reaches only the listeners of
+    its own database; sources in schemas of one database share it)."""
+    urls = {source.database.settings.url for source in sources if source.database.is_postgresql}
+    channel = notify_channel(settings.application.namespace)
+    return [
+        PostgresListener(url.replace("postgresql+asyncpg://", "postgresql://", 1), channel, wake)
+        for url in sorted(urls)
+    ]
 
 
 # -- the edges: the message bus and its signer, bearer tokens, tracing, HTTP metrics ----------
@@ -209,8 +468,8 @@ def build_tracing(settings: ServiceSettings) -> Tracing:
     return NoTracing()
 
 
-def build_database(settings: ServiceSettings, tracing: Tracing) -> Database:
-    database = Database(settings.database)
+def build_database(settings: DatabaseSettings, tracing: Tracing, *, schema: str | None = None) -> Database:
+    database = Database(settings, schema=schema)
     tracing.trace_statements(database.engine.sync_engine)  # the requests' and handlers' engine
     return database
 
@@ -273,23 +532,27 @@ class OutboxContainer(containers.DeclarativeContainer):
     metrics = providers.Singleton(RelayMetrics)
     tracing = providers.Singleton(build_tracing, settings)
     wake = providers.Singleton(WakeSignal)
-    database = providers.Singleton(build_database, settings, tracing)
-    writer = providers.Singleton(build_writer, settings, registry, handlers, database)
-    dispatcher = providers.Singleton(build_dispatcher, settings, handlers, registry, metrics)
-    units_of_work = providers.Singleton(
-        SqlUnitOfWorkFactory,
-        database=database,
-        writer=writer,
-        after_commit=dispatcher,
+    # Every source's database and relay parts; the providers below them are the default
+    # source's (a service with no second source has only that one).
+    data_sources = providers.Singleton(
+        build_data_sources,
+        settings,
+        modules,
+        registry=registry,
+        handlers=handlers,
+        metrics=metrics,
+        tracing=tracing,
+        wake=wake,
         clock=clock,
-        wake=wake.provided.set,
-        outbox_enabled=settings.provided.message_bus.outbox_enabled,
-        adapters=providers.Singleton(collect_adapters, modules),
     )
+    database = providers.Callable(DataSources.default_database, data_sources)
+    dispatcher = providers.Callable(DataSources.default_dispatcher, data_sources)
+    units_of_work = providers.Callable(DataSources.default_units, data_sources)
+    cleaner = providers.Callable(DataSources.default_cleaner, data_sources)
     signer = providers.Singleton(build_signer, settings)
     pipeline = providers.Singleton(
         ConsumePipeline,
-        units=units_of_work,
+        units=data_sources.provided.units_for_consumer,
         registry=registry,
         signer=signer,
         inbox_enabled=settings.provided.message_bus.inbox_enabled,
@@ -306,45 +569,34 @@ class OutboxContainer(containers.DeclarativeContainer):
         reset_seconds=settings.provided.message_bus.circuit_reset_seconds,
         clock=clock,
     )
-    outbox_deliverer = providers.Singleton(
-        OutboxDeliverer, registry=registry, handlers=handlers, dispatcher=dispatcher, bus=bus, breaker=breaker
+    deliverers = providers.Singleton(
+        build_deliverers, data_sources, registry=registry, handlers=handlers, bus=bus, breaker=breaker
     )
-    command_deliverer = providers.Singleton(
-        CommandDeliverer, registry=registry, handlers=handlers, units=units_of_work
-    )
-    sources = providers.Singleton(
-        build_sources, settings, database, metrics, outbox_deliverer, command_deliverer, tracing
-    )
-    cleaner = providers.Singleton(
-        RetentionCleaner,
-        database=database,
-        policy=providers.Singleton(retention_policy, settings),
-        clock=clock,
-        metrics=metrics,
-    )
+    outbox_deliverer = providers.Callable(default_outbox_deliverer, deliverers)
+    command_deliverer = providers.Callable(default_command_deliverer, deliverers)
+    sources = providers.Singleton(build_all_tables, settings, data_sources, deliverers, metrics, tracing)
     admin = providers.Singleton(
         RelayAdministration,
-        database=database,
+        databases=providers.Callable(DataSources.databases, data_sources),
         clock=clock,
         wake=wake.provided.set,
         notify_channel=providers.Callable(notify_channel, settings.provided.application.namespace),
     )
-    # The unit of work factory and the bus each need the dispatcher: it is given their providers,
-    # to reach them on use. (Not ``providers.Self``: it does not follow a derived container.)
-    dispatcher.add_kwargs(units=units_of_work.provider, bus=bus.provider)
+    # The sources' in-process dispatchers publish directly when the outbox is off: they are
+    # given the bus's provider, to reach the bus (built after them) on use.
+    data_sources.add_kwargs(bus=bus.provider)
     tokens = providers.Singleton(build_tokens, settings)
     http_metrics = providers.Singleton(build_http_metrics, metrics)
-    listener = providers.Singleton(build_listener, settings, wake)
+    listeners = providers.Singleton(build_listeners, settings, data_sources, wake)
     worker = providers.Singleton(
         Worker,
         sources=sources,
         wake=wake,
-        cleaner=cleaner,
+        cleaners=providers.Callable(DataSources.cleaners, data_sources),
         bus=bus,
-        database=database,
         metrics=metrics,
         clock=clock,
-        listener=listener,
+        listeners=listeners,
         polling_interval_seconds=settings.provided.outbox.polling_interval_seconds,
         idle_polling_interval_seconds=settings.provided.outbox.idle_polling_interval_seconds,
         cleanup_interval_seconds=settings.provided.outbox.cleanup_interval_seconds,

@@ -813,8 +813,12 @@ def require_role(role: str, *alternatives: str) -> Callable[[Request], RequestCo
 
 
 def units_of_work(request: Request) -> UnitOfWorkFactory:
-    """FastAPI dependency: the factory the composition root put on the app."""
-    factory = getattr(request.app.state, "units_of_work", None)
+    """FastAPI dependency: the factory the composition root put on the app, the one of the
+    source of the context whose route was matched."""
+    by_endpoint = getattr(request.app.state, "units_by_endpoint", {})
+    factory = by_endpoint.get(request.scope.get("endpoint")) or getattr(
+        request.app.state, "units_of_work", None
+    )
     if not callable(factory):
         msg = "app.state.units_of_work is not set; build the app with outbox_kit.runtime.app.create_app"
         raise TypeError(msg)

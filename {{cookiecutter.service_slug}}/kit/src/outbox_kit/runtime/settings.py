@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from outbox_kit.application.handlers import ContextSource
 from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
 from outbox_kit.transports.settings import (
@@ -294,6 +295,8 @@ class ServiceSettings(BaseSettings):
     logging: LoggingSettings = LoggingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     sentry: ErrorTrackingSettings = ErrorTrackingSettings()
+    sources: dict[str, ContextSource] = Field(default_factory=dict)
+    """A bounded context's own storage, by context name (``SOURCES__NOTIFICATIONS__SCHEMA=notes``)."""
 
     @model_validator(mode="after")
     def _namespace_defaults_to_the_slug(self) -> Self:

@@ -17,7 +17,6 @@ import sqlalchemy as sa
 
 from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.operations.retention import RetentionCleaner
-from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import PostgresListener, Processor
@@ -34,12 +33,11 @@ class Worker:
         *,
         sources: Sequence[TableSource],
         wake: WakeSignal,
-        cleaner: RetentionCleaner,
+        cleaners: Sequence[RetentionCleaner],
         bus: MessageBus,
-        database: Database,
         metrics: RelayMetrics,
         clock: Clock,
-        listener: PostgresListener | None,
+        listeners: Sequence[PostgresListener],
         polling_interval_seconds: float,
         idle_polling_interval_seconds: float,
         cleanup_interval_seconds: float,
@@ -49,12 +47,11 @@ class Worker:
     ) -> None:
         self._sources = sources
         self._wake = wake
-        self._cleaner = cleaner
+        self._cleaners = cleaners
         self._bus = bus
-        self._db = database
         self._metrics = metrics
         self._clock = clock
-        self._listener = listener
+        self._listeners = listeners
         self._interval = polling_interval_seconds
         self._idle_interval = idle_polling_interval_seconds
         self._cleanup_interval = cleanup_interval_seconds
@@ -91,9 +88,10 @@ class Worker:
             self.polling_loops.append(loop)
             self._spawn(loop.run(), f"poll:{source.name}", self._loops)
             self._turning.append((loop, self._loops[-1]))
-        if self._listener is not None:
-            self._spawn(self._listener.run(), "listen:postgres", self._others)
-        self._spawn(self._cleaner.run(self._cleanup_interval), "cleanup", self._others)
+        for number, listener in enumerate(self._listeners):
+            self._spawn(listener.run(), f"listen:postgres:{number}", self._others)
+        for number, cleaner in enumerate(self._cleaners):
+            self._spawn(cleaner.run(self._cleanup_interval), f"cleanup:{number}", self._others)
         self._spawn(self._sample_depth(), "metrics:pending", self._others)
         await self._bus.start_consuming()
         log.info("worker started: %s", ", ".join(s.name for s in self._sources) or "no processors")
@@ -116,8 +114,8 @@ class Worker:
         return stalled
 
     def _listening(self) -> bool:
-        """Every commit wakes this process (the LISTEN connection is up)."""
-        return self._listener is not None and self._listener.connected.is_set()
+        """Every commit wakes this process (a LISTEN connection is up on every database)."""
+        return bool(self._listeners) and all(listener.connected.is_set() for listener in self._listeners)
 
     async def stop(self) -> None:
         """Every task cancelled at once; the processor loops get the shutdown timeout to write
@@ -145,15 +143,22 @@ class Worker:
         log.info("worker stopped")
 
     async def sample_depth(self) -> None:
-        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not)."""
-        async with self._db.session() as session:
-            for source in self._sources:
-                c = source.table.c
-                pending = sa.select(sa.func.count()).where(
-                    c.processed_on.is_(None), c.dead_lettered_on.is_(None)
-                )
-                count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
-                self._metrics.pending_depth.labels(source.name).set(count)
+        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not).
+        A source that does not answer keeps its last value; the others are still sampled."""
+        failed: list[str] = []
+        for source in self._sources:
+            c = source.table.c
+            pending = sa.select(sa.func.count()).where(c.processed_on.is_(None), c.dead_lettered_on.is_(None))
+            try:
+                async with source.database.session() as session:
+                    count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
+            except Exception:  # noqa: BLE001 (reported below; the other sources go on)
+                failed.append(source.name)
+                continue
+            self._metrics.pending_depth.labels(source.name).set(count)
+        if failed:
+            msg = f"no pending depth for {', '.join(failed)}"
+            raise RuntimeError(msg)
 
     async def _sample_depth(self) -> None:
         while True:

@@ -354,7 +354,7 @@ async def make_container(
 
     yield factory
     for container in built:
-        await container.database().dispose()
+        await container.data_sources().dispose()
 
 
 @pytest.fixture

@@ -305,7 +305,7 @@ def polled_source(
     **overrides: Any,
 ) -> TableSource:
     table, column = (OUTBOX_TABLE, "event_name") if name == "outbox" else (COMMAND_TABLE, "command_name")
-    settings = source_settings(container.settings())
+    settings = source_settings(container.settings(), container.database())
     values = {**settings.__dict__, **overrides}
     return TableSource(
         name=name,

@@ -98,7 +98,7 @@ from outbox_kit.processor.processor import (
     SourceSettings,
 )
 from outbox_kit.runtime import cli
-from outbox_kit.runtime.container import OutboxContainer, build_listener, source_settings
+from outbox_kit.runtime.container import OutboxContainer, build_listeners, source_settings
 from outbox_kit.runtime.server import run_worker
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import (
@@ -566,7 +566,7 @@ async def processor(args: argparse.Namespace) -> None:
         )
     )
     await install_kit(container, create_tables=False)
-    values = {**source_settings(container.settings()).__dict__}
+    values = {**source_settings(container.settings(), container.database()).__dict__}
     source = TableSource(
         name="outbox",
         table=OUTBOX_TABLE,
@@ -585,8 +585,7 @@ async def processor(args: argparse.Namespace) -> None:
     loop = Processor(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
     tasks = [asyncio.create_task(loop.run())]
     if args.listen:
-        listener = build_listener(container.settings(), wake)
-        assert listener is not None
+        (listener,) = build_listeners(container.settings(), container.data_sources(), wake)
         tasks.append(asyncio.create_task(listener.run()))
         await asyncio.wait_for(listener.connected.wait(), 10)
         print("listening", flush=True)

@@ -412,7 +412,7 @@ def open_world(build: ContainerBuilder, database_url: str) -> Iterator[World]:
         bus=bus,
         breaker=container.breaker(),
     )
-    settings_ = source_settings(container.settings())
+    settings_ = source_settings(container.settings(), container.database())
     # A separate loop: the async tests' session loop must not see these connections.
     with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
         world = World(
