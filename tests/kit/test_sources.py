@@ -358,6 +358,15 @@ def test_sources_that_cannot_be_honoured_stop_the_start_with_the_reason(
         plan_sources(settings, modules())
 
 
+@pytest.mark.parametrize("name", ["default", "all", "outbox", "internal_commands"])
+def test_a_context_named_as_operators_name_tables_keeps_the_default_source(name: str) -> None:
+    """``--source outbox`` must keep meaning the default source's outbox."""
+    own = {name: ContextSource(database_url="sqlite+aiosqlite:///other.db")}
+    settings = make_settings("sqlite+aiosqlite:///same.db").model_copy(update={"sources": own})
+    with pytest.raises(SourcesError, match=f"a context named '{name}' cannot have a source of its own"):
+        plan_sources(settings, [Module(name=name)])
+
+
 @pytest.mark.parametrize("schema", ["Books", "books; DROP TABLE x", "1books", "b" * 64])
 def test_a_schema_name_that_is_not_a_plain_identifier_is_refused(schema: str) -> None:
     with pytest.raises(ValueError, match="schema"):

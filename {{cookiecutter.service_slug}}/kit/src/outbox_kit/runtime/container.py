@@ -42,6 +42,7 @@ from outbox_kit.persistence.tables import (
     DEFAULT_SOURCE,
     INTERNAL_COMMANDS,
     OUTBOX,
+    POLLED_TABLES,
     PolledTable,
     qualified_name,
 )
@@ -166,6 +167,10 @@ def build_tables(  # noqa: PLR0917 (one source's drained tables, from its parts)
 # -- the sources: where each context keeps its data, and the relay of each ------------------
 
 
+# What ``--source`` / ``source`` already means: a context of these names keeps the default source.
+RESERVED_NAMES = frozenset({DEFAULT_SOURCE, "all", *POLLED_TABLES})
+
+
 class SourcesError(ValueError):
     """The ``SOURCES__...`` settings (or a context's declared source) cannot be honoured."""
 
@@ -203,8 +208,8 @@ def plan_sources(settings: ServiceSettings, modules: Sequence[Module]) -> list[S
             continue
         database = settings.database.model_copy(update={"url": source.database_url or settings.database.url})
         where = f"SOURCES__{name.upper()}"
-        if name == DEFAULT_SOURCE:
-            msg = f"{where}: a context named {DEFAULT_SOURCE!r} cannot have a source of its own"
+        if name in RESERVED_NAMES:  # the operators' names for the default source and its tables
+            msg = f"{where}: a context named {name!r} cannot have a source of its own"
             raise SourcesError(msg)
         if source.schema_name is not None and not database.is_postgresql:
             msg = (
