@@ -132,25 +132,13 @@ def build_parser(
         dest="outbox_command", required=True
     )
     pending = outbox.add_parser("pending", help="count rows not yet delivered")
-    pending.add_argument(
-        "--source",
-        default=None,
-        help=SELECTION_HELP,
-    )
+    pending.add_argument("--source", default=None, help=SELECTION_HELP)
     letters = outbox.add_parser("dead-letters", help="list dead letters, oldest first")
-    letters.add_argument(
-        "--source",
-        default=None,
-        help=SELECTION_HELP,
-    )
+    letters.add_argument("--source", default=None, help=SELECTION_HELP)
     letters.add_argument("--offset", type=int, default=0)
     letters.add_argument("--limit", type=int, default=50)
     replay = outbox.add_parser("replay", help="return dead letters to the pending pool")
-    replay.add_argument(
-        "--source",
-        default="outbox",
-        help=TABLE_HELP,
-    )
+    replay.add_argument("--source", default="outbox", help=TABLE_HELP)
     replay.add_argument(
         "--actor",
         default=f"cli:{login_name()}",
@@ -158,11 +146,7 @@ def build_parser(
     )
     replay.add_argument("ids", nargs="+")
     explain = outbox.add_parser("explain", help="say why a row is or is not moving")
-    explain.add_argument(
-        "--source",
-        default="outbox",
-        help=TABLE_HELP,
-    )
+    explain.add_argument("--source", default="outbox", help=TABLE_HELP)
     explain.add_argument("id")
     for operation in (pending, letters, replay, explain):
         operation.add_argument(
