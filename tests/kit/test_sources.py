@@ -394,6 +394,13 @@ async def test_an_event_crosses_from_one_source_to_another_once_with_its_context
         container, "default", sa.select(OUTBOX_TABLE.c.event_name, OUTBOX_TABLE.c.processed_on)
     )
     assert [name for name, processed in default_outbox if processed is not None] == ["src.sale-made.v1"]
+    dispatched = {
+        sample.labels["source"]
+        for metric in container.metrics().registry.collect()
+        for sample in metric.samples
+        if sample.name == "outbox_dispatched_total" and sample.value > 0
+    }
+    assert dispatched == {"outbox", "internal_commands", "ledger.internal_commands"}  # the metrics say which
     counts = {c.source: (c.pending, c.dead_lettered) for c in await container.admin().count_pending()}
     assert counts == {
         "outbox": (0, 0),
