@@ -189,6 +189,17 @@ class Storage:
     def ledger_url(self) -> str:
         return self.ledger.database_url or self.default_url
 
+    def process_env(self) -> dict[str, str]:
+        """What a process of the two-context service needs beside ``service_env``: the ledger's
+        source and the container to build."""
+        env = {
+            "SOURCES__LEDGER__DATABASE_URL": self.ledger_url,
+            CONTAINER_VARIABLE: f"{__name__}:two_contexts",
+        }
+        if self.ledger.schema_name:
+            env["SOURCES__LEDGER__SCHEMA"] = self.ledger.schema_name
+        return env
+
 
 async def create_source_tables(url: str, schema: str | None) -> None:
     database = Database(DatabaseSettings(url=url), schema=schema)
@@ -556,12 +567,7 @@ async def test_the_outbox_command_line_takes_a_source(build: Build, storage: Sto
     container = build()
     with acting_as():
         await container.data_sources().named("ledger").units().run(schedule_audit)
-    ledger = {"SCHEMA": storage.ledger.schema_name} if storage.ledger.schema_name else {}
-    env = service_env(
-        storage.default_url,
-        **{f"SOURCES__LEDGER__{k}": v for k, v in {**ledger, "DATABASE_URL": storage.ledger_url}.items()},
-        **{CONTAINER_VARIABLE: f"{__name__}:two_contexts"},
-    )
+    env = service_env(storage.default_url, **storage.process_env())
     result = await asyncio.to_thread(
         subprocess.run,
         service_argv("outbox", "pending", "--source", "ledger"),
@@ -718,7 +724,6 @@ async def test_workers_killed_at_random_lose_nothing_and_duplicate_nothing_acros
     bus = {"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"]}
     container = build(application={"namespace": namespace}, message_bus=bus)
     await container.bus().start()  # declares the ledger's queue before anything is published
-    source = {"SCHEMA": storage.ledger.schema_name} if storage.ledger.schema_name else {}
     env = service_env(
         storage.default_url,
         APPLICATION__NAMESPACE=namespace,
@@ -729,8 +734,7 @@ async def test_workers_killed_at_random_lose_nothing_and_duplicate_nothing_acros
         MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS="1",
         OUTBOX__POLLING_INTERVAL_SECONDS="0.2",
         LOGGING__LEVEL="INFO",
-        **{f"SOURCES__LEDGER__{k}": v for k, v in {**source, "DATABASE_URL": storage.ledger_url}.items()},
-        **{CONTAINER_VARIABLE: f"{__name__}:two_contexts"},
+        **storage.process_env(),
     )
     fleet = Fleet(env, tmp_path)
     try:

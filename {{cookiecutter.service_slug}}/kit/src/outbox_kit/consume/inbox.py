@@ -225,10 +225,12 @@ class ConsumePipeline:
             # PostgreSQL: the receipt first, a lock on its key only. SQLite: a lookup first and the
             # receipt last, since any write takes the database's one write lock and a slow handler
             # would hold it (every other writer of the service waiting behind it).
-            receipt_first = units.database.is_postgresql
+            receipt_first, dialect = units.database.is_postgresql, units.database.dialect
             if self._inbox:
                 known = (
-                    not await self._first_receipt(session, consumer.name, envelope, digest)
+                    not await self._first_receipt(
+                        session, units.database.dialect, consumer.name, envelope, digest
+                    )
                     if receipt_first
                     else await self._already_consumed(session, envelope.message_id, consumer.name, digest)
                 )
@@ -237,14 +239,16 @@ class ConsumePipeline:
             with handler_scope(handler_name(consumer.handler)):
                 await consumer.handler(message, uow)
             late_receipt = self._inbox and not receipt_first
-            if late_receipt and not await self._first_receipt(session, consumer.name, envelope, digest):
+            if late_receipt and not await self._first_receipt(
+                session, dialect, consumer.name, envelope, digest
+            ):
                 await uow.rollback()  # a copy committed while this one ran: its effects stand
                 return ConsumeOutcome.DUPLICATE
             await uow.commit()
         return ConsumeOutcome.CONSUMED
 
     async def _first_receipt(
-        self, session: AsyncSession, consumer: str, envelope: Envelope, digest: str
+        self, session: AsyncSession, dialect: str, consumer: str, envelope: Envelope, digest: str
     ) -> bool:
         """Insert the inbox row in the handler's transaction; False when ``consumer`` already has
         this message (after the digest check of :meth:`_already_consumed`)."""
@@ -258,7 +262,7 @@ class ConsumePipeline:
             "received_on": self._clock(),
             "body_digest": digest,
         }
-        statement = self._receipt_statement(session)
+        statement = self._receipt_statement(session, dialect)
         for _ in range(RECEIPT_ATTEMPTS):
             inserted = await session.exec(statement, params=row)  # type: ignore[call-overload]
             if inserted.first() is not None:
@@ -269,10 +273,10 @@ class ConsumePipeline:
         msg = f"the inbox row of {envelope.message_id} for {consumer} could not be written"
         raise RuntimeError(msg)
 
-    def _receipt_statement(self, session: AsyncSession) -> sa.Executable:
-        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once and bound to
-        each message's values (building it per message cost more than running it)."""
-        dialect = session.get_bind().dialect.name
+    def _receipt_statement(self, session: AsyncSession, dialect: str) -> sa.Executable:
+        """``INSERT ... ON CONFLICT DO NOTHING RETURNING`` into the inbox, built once per dialect
+        (the sources' databases) and bound to each message's values (building it per message cost
+        more than running it)."""
         receipt = self._receipts.get(dialect)
         if receipt is None:
             values = {column.name: sa.bindparam(column.name, type_=column.type) for column in INBOX.columns}

@@ -11,18 +11,24 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
+from itertools import groupby
 from typing import Any
 
 import sqlalchemy as sa
 
 from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.operations.retention import RetentionCleaner
+from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import PostgresListener, Processor
 from outbox_kit.transports.bus import MessageBus
 
 log = logging.getLogger(__name__)
+
+
+def database_of(table: TableSource) -> Database:
+    return table.database
 
 
 class Worker:
@@ -143,19 +149,23 @@ class Worker:
         log.info("worker stopped")
 
     async def sample_depth(self) -> None:
-        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not).
-        A source that does not answer keeps its last value; the others are still sampled."""
+        """Set ``outbox_pending_depth`` from the tables (leased rows included, dead letters not),
+        one session per source. A source that does not answer keeps its last values; the others
+        are still sampled."""
         failed: list[str] = []
-        for source in self._sources:
-            c = source.table.c
-            pending = sa.select(sa.func.count()).where(c.processed_on.is_(None), c.dead_lettered_on.is_(None))
+        for database, tables in groupby(self._sources, key=database_of):
+            polled = list(tables)
             try:
-                async with source.database.session() as session:
-                    count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
+                async with database.session() as session:
+                    for source in polled:
+                        c = source.table.c
+                        pending = sa.select(sa.func.count()).where(
+                            c.processed_on.is_(None), c.dead_lettered_on.is_(None)
+                        )
+                        count = (await session.exec(pending)).scalar_one()  # type: ignore[call-overload]
+                        self._metrics.pending_depth.labels(source.name).set(count)
             except Exception:  # noqa: BLE001 (reported below; the other sources go on)
-                failed.append(source.name)
-                continue
-            self._metrics.pending_depth.labels(source.name).set(count)
+                failed += [source.name for source in polled]
         if failed:
             msg = f"no pending depth for {', '.join(failed)}"
             raise RuntimeError(msg)
