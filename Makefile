@@ -12,7 +12,8 @@ SLUG := order-service
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-# A virtual environment $(1) with the requirements file $(2).
+# A virtual environment $(1) with the locked requirements file $(2) (`make lock` compiles each
+# *.lock from its *.txt, which holds the floors and ceilings).
 define tools_venv
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 		echo "error: the template needs Python 3.11 or newer; '$(PYTHON)' is $$($(PYTHON) --version 2>&1)." \
@@ -21,14 +22,14 @@ define tools_venv
 	$(1)/bin/python -m pip install --quiet --disable-pip-version-check -r $(2)
 endef
 
-$(BIN)/.installed: requirements-dev.txt requirements-demo.txt
-	$(call tools_venv,$(VENV),requirements-dev.txt)
+$(BIN)/.installed: requirements-dev.lock
+	$(call tools_venv,$(VENV),requirements-dev.lock)
 	touch $@
 
 # The demo needs only cookiecutter and uv, not the template's test toolchain.
 DEMO_TOOLS := build/demo-tools
-$(DEMO_TOOLS)/bin/.installed: requirements-demo.txt
-	$(call tools_venv,$(DEMO_TOOLS),requirements-demo.txt)
+$(DEMO_TOOLS)/bin/.installed: requirements-demo.lock
+	$(call tools_venv,$(DEMO_TOOLS),requirements-demo.lock)
 	touch $@
 
 demo: $(DEMO_TOOLS)/bin/.installed ## generate a service with the defaults and run it (SQLite + in-process bus)
@@ -54,8 +55,11 @@ bake: $(BIN)/.installed ## bake the defaults into $(BAKE_DIR) (add ARGS='broker=
 bake-check: bake ## bake, install, then lint, type-check and test the baked service
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(MAKE) -C $(BAKE_DIR)/$(SLUG) install lint typecheck test
 
-lock: $(BIN)/.installed ## refresh the uv.lock every service is generated with (UPGRADE=1: newer versions)
+lock: $(BIN)/.installed ## refresh the locks: the service's and the kit's uv.lock, the template's tools (UPGRADE=1: newer versions)
 	$(BIN)/python tools/lock_service.py --uv $(CURDIR)/$(BIN)/uv $(if $(UPGRADE),--upgrade)
+	for tools in dev demo; do \
+		$(BIN)/uv pip compile --quiet --universal --python-version 3.11 $(if $(UPGRADE),--upgrade) \
+			requirements-$$tools.txt -o requirements-$$tools.lock; done
 
 lint: $(BIN)/.installed ## lint the template's own Python (hooks and tests)
 	$(BIN)/ruff check hooks tests

@@ -29,15 +29,19 @@ CACHES = ("__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache", ".venv",
 @pytest.fixture(scope="module")
 def kit_env(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A copy of the kit in an environment of its own (its dependencies, its ``otel`` extra and
-    its dev group): ``(kit folder, bin folder)``. A copy, because uv reads the pyproject files of
-    the folders above a project, and the template's service one holds Jinja."""
+    its dev group, at the versions of its ``uv.lock``): ``(kit folder, bin folder)``. A copy,
+    because uv reads the pyproject files of the folders above a project, and the template's
+    service one holds Jinja."""
     if UV is None:
         pytest.fail("uv is not installed: run `make` (requirements-dev.txt installs it)")
     root = tmp_path_factory.mktemp("kit")
     kit = root / "kit"
     shutil.copytree(KIT, kit, ignore=shutil.ignore_patterns(*CACHES))
     environment = {**TOOLS_ENV, "UV_PROJECT_ENVIRONMENT": str(root / "venv")}
-    check([UV, "sync", "--all-extras", "--python", sys.executable], kit, env=environment, timeout=600)
+    # --locked: the versions of the kit's uv.lock (`make lock`), so a fresh clone tests what was
+    # tested here, whatever the index serves that day; a pyproject the lock no longer fits fails.
+    sync = [UV, "sync", "--locked", "--all-extras", "--python", sys.executable]
+    check(sync, kit, env=environment, timeout=600)
     return kit, root / "venv" / "bin"
 
 

@@ -1,4 +1,9 @@
-"""Refresh the lock every generated service starts with: `make lock` (UPGRADE=1 takes newer versions).
+"""Refresh the locks: `make lock` (UPGRADE=1 takes newer versions).
+
+Two locks: the one every generated service starts with (``{{cookiecutter.service_slug}}/uv.lock``)
+and the kit's own (``{{cookiecutter.service_slug}}/kit/uv.lock``), from which the template's kit
+tier installs the kit's test environment (``uv sync --locked``), so a fresh clone tests the
+versions that were tested here, not whatever the index serves that day.
 
 A service generated today and one generated next month install the same versions: the bake
 carries ``uv.lock``, which this script makes from a default bake (``uv lock``, keeping the
@@ -23,6 +28,7 @@ from pathlib import Path
 TEMPLATE = Path(__file__).resolve().parents[1]
 SERVICE = TEMPLATE / "{{cookiecutter.service_slug}}"
 LOCK = SERVICE / "uv.lock"
+KIT = SERVICE / "kit"
 SLUG = "order-service"  # the default answer
 FLOOR = "3.11"  # the lowest python_version answer
 NAME_FIELD = '"{{ cookiecutter.service_slug }}"'
@@ -59,7 +65,13 @@ def main() -> None:
         command = [args.uv, "lock", *(["--upgrade"] if args.upgrade else [])]
         subprocess.run(command, cwd=bake, check=True)
         LOCK.write_text(templated((bake / "uv.lock").read_text()))
-    print(f"wrote {LOCK.relative_to(TEMPLATE)}")
+        # The kit is locked from a copy: uv reads the pyproject files of the folders above a
+        # project, and the template's service one holds template syntax.
+        kit = Path(scratch) / "kit"
+        shutil.copytree(KIT, kit, ignore=shutil.ignore_patterns(".venv", "__pycache__", "*_cache"))
+        subprocess.run(command, cwd=kit, check=True)
+        (KIT / "uv.lock").write_text((kit / "uv.lock").read_text())
+    print(f"wrote {LOCK.relative_to(TEMPLATE)} and {(KIT / 'uv.lock').relative_to(TEMPLATE)}")
 
 
 if __name__ == "__main__":
