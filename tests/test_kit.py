@@ -98,6 +98,45 @@ def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path],
     assert int(passed.group(1)) >= len(files)  # none silently uncollected
 
 
+def locked_version(lock: Path, name: str) -> str:
+    packages = tomllib.loads(re.sub(r"\{\{.*?\}\}", "x", lock.read_text(encoding="utf-8")))["package"]
+    (version,) = [package["version"] for package in packages if package["name"] == name]
+    return str(version)
+
+
+def test_error_tracking_keeps_secrets_home_on_the_sentry_sdk_a_service_locks(
+    kit_env: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The kit's lock takes the newest sentry-sdk its range allows (3.x); a generated service's
+    lock may hold a 2.x (``sentry-sdk>=2.0,<4`` admits both): the error-tracking tests, which prove
+    that no secret reaches the ingest, run on the service's version too, in an environment that
+    differs from the kit's only in that package."""
+    kit, _ = kit_env
+    assert UV is not None
+    wanted = locked_version(KIT.parent / "uv.lock", "sentry-sdk")
+    exported = check(
+        [UV, "export", "--locked", "--all-extras", "--no-hashes", "--no-emit-project", "--no-header"],
+        kit,
+        env=TOOLS_ENV,
+    )
+    pins = [line for line in exported.stdout.splitlines() if not line.startswith(("sentry-sdk==", "#", " "))]
+    (tmp_path / "requirements.txt").write_text("\n".join([*pins, f"sentry-sdk=={wanted}"]) + "\n")
+    venv = tmp_path / "venv"
+    check([UV, "venv", "--quiet", "--python", sys.executable, str(venv)], tmp_path, env=TOOLS_ENV)
+    install = [UV, "pip", "install", "--quiet", "--python", str(venv / "bin" / "python")]
+    check([*install, "-r", "requirements.txt"], tmp_path, env=TOOLS_ENV, timeout=600)
+    check([*install, "--no-deps", "-e", str(kit)], tmp_path, env=TOOLS_ENV)
+    python = str(venv / "bin" / "python")
+    assert (
+        check([python, "-c", "import sentry_sdk; print(sentry_sdk.VERSION)"], tmp_path).stdout.strip()
+        == wanted
+    )
+    suite = [python, "-m", "pytest", "-c", str(SUITE / "pytest.ini"), str(SUITE / "test_error_tracking.py")]
+    ran = check(suite, SUITE, timeout=900)
+    print(ran.stdout[-1500:])
+    assert re.search(r"(\d+) passed", ran.stdout) is not None, ran.stdout
+
+
 def kit_version() -> str:
     declared = tomllib.loads((KIT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
     init = (KIT / "src" / "outbox_kit" / "__init__.py").read_text(encoding="utf-8")
