@@ -71,7 +71,7 @@ class CliError(Exception):
 
 
 def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
-    from outbox_kit.runtime.http import InvalidTokenError
+    from outbox_kit.runtime.identity_provider import InvalidTokenError
 
     settings = container.settings()
     if settings.is_production:
