@@ -4,11 +4,11 @@ would sign, mapping its claims by settings, and refusing everything else."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
-import asyncio
 import logging
 import threading
 import time
@@ -29,15 +29,8 @@ from fastapi import APIRouter, Depends
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 from outbox_kit.application.context import RequestContext
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import (
-    ClaimNames,
-    InvalidTokenError,
-    KeysUnavailableError,
-    ProviderKeys,
-    SharedSecretTokens,
-    TokenService,
-    authenticated,
-)
+from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService, authenticated
+from outbox_kit.runtime.identity_provider import InvalidTokenError, KeysUnavailableError, ProviderKeys
 from outbox_kit.runtime.settings import AuthSettings
 from outbox_kit.testing.fixtures import fresh_sqlite, live_server, make_settings
 from pydantic import ValidationError

@@ -95,6 +95,7 @@ from outbox_kit.application.context import (
     MAX_USER_BYTES,
     InvalidContextError,
     RequestContext,
+    check_roles,
     current_context,
     fits,
     flattened_size,
@@ -274,22 +275,34 @@ class TokenService:
         # characters but not in bytes was accepted here and refused by every consumer.
         user = _bounded_text(names.user, _claim_at(claims, names.user), MAX_USER_BYTES)
         tenant = _bounded_text(names.tenant, _claim_at(claims, names.tenant), MAX_TENANT_BYTES)
-        roles = _claim_at(claims, names.roles)
-        if roles is None:
-            roles = []
-        if isinstance(roles, str):  # "a,b" or an OAuth scope-like "a b"
-            roles = [r for r in re.split(r"[, ]", roles) if r]
-        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
-            msg = f"invalid bearer token: {names.roles!r} must be a list of strings"
-            raise InvalidTokenError(msg)
-        if flattened_size(roles) > MAX_ROLES_BYTES:
+        roles = self._roles(claims)
+        _refuse_control_characters(**{names.user: [user], names.tenant: [tenant], names.roles: roles})
+        try:
+            checked = check_roles(roles)  # the one check every way into a context makes
+        except InvalidContextError as error:
+            msg = f"invalid bearer token: {names.roles!r}: {error}"
+            raise InvalidTokenError(msg) from None
+        if flattened_size(checked) > MAX_ROLES_BYTES:
             msg = (
                 f"invalid bearer token: {names.roles!r} must be at most {MAX_ROLES_BYTES} bytes in "
-                f"UTF-8 comma-joined, got {flattened_size(roles)}"
+                f"UTF-8 comma-joined, got {flattened_size(checked)}"
             )
             raise InvalidTokenError(msg)
-        _refuse_control_characters(**{names.user: [user], names.tenant: [tenant], names.roles: roles})
-        return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+        return Identity(user_id=user, tenant_id=tenant, roles=checked)
+
+    def _roles(self, claims: dict[str, Any]) -> list[str]:
+        """The roles claim as a list: a list of strings, or one string of roles separated by
+        commas or spaces (an OAuth scope); absent, none."""
+        name = self._claims.roles
+        roles = _claim_at(claims, name)
+        if roles is None:
+            return []
+        if isinstance(roles, str):
+            return [r for r in re.split(r"[, ]", roles) if r]
+        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+            msg = f"invalid bearer token: {name!r} must be a list of strings"
+            raise InvalidTokenError(msg)
+        return roles
 
 
 def is_loopback(host: str) -> bool:
