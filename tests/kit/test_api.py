@@ -2,23 +2,36 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from urllib.parse import urlparse
 
 import httpx
+import jwt
 import pytest
-from fastapi import FastAPI
+import sqlalchemy as sa
+from fastapi import APIRouter, Depends, FastAPI
+from outbox_kit.application.context import RequestContext, current_context
 from outbox_kit.application.messages import (
     IntegrationEvent,
 )
+from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.domain import (
     ConcurrencyError,
     DomainError,
     NotFoundError,
 )
+from outbox_kit.persistence.tables import COMMAND_TABLE
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import install_error_handlers
-from outbox_kit.testing.fixtures import SERVICE_URLS, ContainerFactory, live_server, token_for
-from outbox_kit.testing.harness import tcp_proxy
+from outbox_kit.runtime.http import authenticated, install_error_handlers, units_of_work
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    ContainerFactory,
+    eventually,
+    fetch,
+    live_server,
+    token_for,
+)
+from outbox_kit.testing.harness import RecordEffect, install_kit, tcp_proxy
 
 pytestmark = pytest.mark.integration
 
@@ -175,3 +188,58 @@ async def test_readyz_masks_credentials_in_the_errors_it_shows(
     assert ready.json()["checks"]["database"] == (
         "error: ConnectionError: cannot reach postgresql+asyncpg://app:***@db.internal:5432/app"
     )
+
+
+async def test_a_role_the_stored_form_would_change_is_refused_and_a_valid_one_round_trips_exactly(
+    container: OutboxContainer,
+) -> None:
+    """Roles are stored comma-joined: ``"outbox-admin "`` or ``"outbox,-admin"`` (403 at the
+    admin API) would come back as ``outbox-admin`` in the context an internal command restores.
+    Such a token is refused where it enters (401) and nothing is written; a valid role set comes
+    back exactly as the API checked it."""
+    kit = await install_kit(container)
+    restored_roles: list[tuple[str, ...]] = []
+
+    async def observe(_command: RecordEffect, _uow: object) -> None:
+        restored_roles.append(current_context().roles)
+
+    container.handlers().on_command(RecordEffect, observe)
+    writes = APIRouter()
+
+    @writes.post("/effects")
+    async def write(
+        _context: RequestContext = Depends(authenticated),
+        units: UnitOfWorkFactory = Depends(units_of_work),
+    ) -> dict[str, str]:
+        async with units() as uow:
+            uow.schedule(RecordEffect(label="role-check"))
+            await uow.commit()
+        return {"written": "yes"}
+
+    secret = container.settings().auth.jwt_secret.get_secret_value()
+
+    def token(roles: object) -> dict[str, str]:
+        now = datetime.now(UTC)
+        claims = {
+            "sub": "alice",
+            "tenant": "acme",
+            "roles": roles,
+            "iat": now,
+            "exp": now + timedelta(minutes=5),
+        }
+        return {"Authorization": f"Bearer {jwt.encode(claims, secret, algorithm='HS256')}"}
+
+    async with live_server(container, routers=[writes]) as base, httpx.AsyncClient(base_url=base) as client:
+        for roles in (["clerk", "outbox-admin "], ["outbox,-admin"], [" outbox-admin"], ["clerk", ""]):
+            refused = await client.post("/effects", headers=token(roles))
+            assert refused.status_code == 401, (roles, refused.text)
+            assert "'roles'" in refused.json()["detail"], refused.json()
+        assert await fetch(container, sa.select(COMMAND_TABLE)) == []
+
+        accepted = await client.post("/effects", headers=token(["clerk", "outbox-admin"]))
+        assert accepted.status_code == 200, accepted.text
+        await eventually(lambda: len(restored_roles) == 1)
+    (row,) = await fetch(container, sa.select(COMMAND_TABLE))
+    assert row.user_roles == "clerk,outbox-admin"
+    assert restored_roles == [("clerk", "outbox-admin")]
+    assert await kit.effects() == []

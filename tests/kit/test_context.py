@@ -27,7 +27,20 @@ def test_roles_are_flattened_and_capped_at_512_bytes_on_role_boundaries(letter: 
     assert flattened is not None
     assert 500 < len(flattened.encode()) <= MAX_ROLES_BYTES
     assert flattened.split(",") == roles[: len(flattened.split(","))]
-    assert flatten_roles(["a,b", " ", "c"]) == "ab,c"
+
+
+@pytest.mark.parametrize("role", ["a,b", " ", "", "outbox-admin ", " outbox-admin", "outbox,-admin"])
+def test_a_role_the_flattened_form_would_change_is_refused_not_cleaned(role: str) -> None:
+    """Cleaned (``"outbox-admin "`` stored as ``outbox-admin``), a role refused by the API's exact
+    check would be granted to every consumer that restores the context: it is refused instead,
+    wherever a context is captured."""
+    with pytest.raises(InvalidContextError, match="role"):
+        flatten_roles(["clerk", role])
+    refused = RequestContext(tenant_id="t", user_id="u", roles=("clerk", role))
+    with use_context(refused), pytest.raises(InvalidContextError, match="role"):
+        capture_context()
+    with use_context(RequestContext(tenant_id="t", user_id="u", roles=("clerk", "outbox admin", "é"))):
+        assert capture_context().user_roles == "clerk,outbox admin,é"
 
 
 def test_one_byte_limit_per_identity_value_for_headers_and_columns() -> None:

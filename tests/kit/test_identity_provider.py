@@ -4,11 +4,14 @@ would sign, mapping its claims by settings, and refusing everything else."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
 import json
+import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,15 +29,8 @@ from fastapi import APIRouter, Depends
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 from outbox_kit.application.context import RequestContext
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import (
-    ClaimNames,
-    InvalidTokenError,
-    KeysUnavailableError,
-    ProviderKeys,
-    SharedSecretTokens,
-    TokenService,
-    authenticated,
-)
+from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService, authenticated
+from outbox_kit.runtime.identity_provider import InvalidTokenError, KeysUnavailableError, ProviderKeys
 from outbox_kit.runtime.settings import AuthSettings
 from outbox_kit.testing.fixtures import fresh_sqlite, live_server, make_settings
 from pydantic import ValidationError
@@ -75,6 +71,15 @@ class Provider:
     published: list[SigningKey] = field(default_factory=list)
     down: bool = False
     key_set_requests: int = 0
+    # The key set sent one byte every ``trickle`` seconds (0: at once).
+    trickle: float = 0.0
+    trickles_started: int = 0
+    trickles_finished: int = 0
+    # Appended after the key set's last key ("padding"), streamed in 64 KiB writes.
+    padding_bytes: int = 0
+    declare_length: bool = True  # False: no Content-Length, the body ends when the connection does
+    body_bytes_sent: int = 0
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def issuer(self) -> str:
@@ -116,11 +121,33 @@ def provider() -> Iterator[Provider]:
                 self.send_error(404)
                 return
             encoded = json.dumps(body).encode()
+            if state.padding_bytes:
+                encoded = encoded[:-1] + b', "padding": "' + b"x" * state.padding_bytes + b'"}'
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(encoded)))
+            if state.declare_length:
+                self.send_header("Content-Length", str(len(encoded)))
             self.end_headers()
-            self.wfile.write(encoded)
+            try:
+                self._send(encoded)
+            except OSError:  # the service stopped reading: what matters is how much it took
+                return
+
+        def _send(self, encoded: bytes) -> None:
+            if state.trickle and self.path.endswith("/certs"):
+                state.trickles_started += 1
+                for offset in range(len(encoded)):
+                    if state.stopping.wait(state.trickle):
+                        return
+                    self.wfile.write(encoded[offset : offset + 1])
+                    self.wfile.flush()
+                    state.body_bytes_sent += 1
+                state.trickles_finished += 1
+                return
+            for offset in range(0, len(encoded), 1 << 16):
+                chunk = encoded[offset : offset + (1 << 16)]
+                self.wfile.write(chunk)
+                state.body_bytes_sent += len(chunk)
 
         def log_message(self, *_: object) -> None:
             pass
@@ -130,6 +157,7 @@ def provider() -> Iterator[Provider]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield state
+    state.stopping.set()
     server.shutdown()
     server.server_close()
 
@@ -311,6 +339,112 @@ async def test_a_rotated_key_is_fetched_once_and_forged_key_names_cannot_flood_t
     with pytest.raises(InvalidTokenError, match="does not publish"):
         await tokens.authenticate(rsa_key("forged-late").sign(provider.claims()), client_host="10.1.2.3")
     assert provider.key_set_requests == 3
+
+
+async def test_a_key_the_provider_just_added_verifies_at_once_and_a_flood_of_made_up_kids_is_one_fetch(
+    provider: Provider,
+) -> None:
+    """A rotation: the provider serves a new key and signs with it. A few seconds after the last
+    fetch (not 30) the first token naming it fetches the keys and verifies; 2,000 concurrent
+    tokens naming made-up keys cost the provider one request."""
+    old, new = rsa_key("2026-11"), rsa_key("2026-12")
+    provider.published = [old]
+    clock = FakeMonotonic()
+    tokens = provider_tokens(provider, clock)  # the default interval between fetches
+    assert (await tokens.authenticate(old.sign(provider.claims()), client_host=None)).tenant_id == "acme"
+    early = new.sign(provider.claims())  # signed before the provider serves the key
+    with pytest.raises(InvalidTokenError, match="does not publish"):
+        await tokens.authenticate(early, client_host=None)
+    provider.published = [old, new]
+    clock.now += 5
+    assert (await tokens.authenticate(early, client_host=None)).user_id == "3f1c-user"
+    assert provider.key_set_requests == 2
+
+    clock.now += 5
+    claims = provider.claims()
+    forged = [old.sign(claims, kid=f"forged-{n}") for n in range(2000)]
+    answers = await asyncio.gather(
+        *(tokens.authenticate(token, client_host=None) for token in forged), return_exceptions=True
+    )
+    assert all(isinstance(a, InvalidTokenError) and "does not publish" in str(a) for a in answers)
+    assert provider.key_set_requests == 3  # one fetch for the whole flood
+    assert (await tokens.authenticate(new.sign(claims), client_host=None)).tenant_id == "acme"
+
+
+async def test_a_trickling_key_set_is_cut_at_the_fetch_limit_and_cached_keys_never_wait_for_it(
+    provider: Provider, service_of: Any
+) -> None:
+    """The provider sends its key set one byte at a time: requests needing it answer 503 once
+    the fetch limit has passed (long before the provider finished), concurrently, through one
+    fetch; a request whose key is cached answers 200 while a trickling refresh is under way."""
+    known, unknown = rsa_key("k1"), rsa_key("k2")
+    provider.published = [known]
+    provider.trickle = 0.2  # the key set's ~500 bytes would take ~100 s
+    container = service_of(
+        jwks_url=provider.jwks_url,
+        jwt_issuer=provider.issuer,
+        jwt_audience=AUDIENCE,
+        tenant_claim="org",
+        jwks_timeout_seconds=1,
+        jwks_cache_seconds=0.5,
+        jwks_refetch_seconds=0.1,
+    )
+    token = known.sign(provider.claims())
+    async with (
+        live_server(container, with_worker=False, routers=[whoami]) as base,
+        httpx.AsyncClient(base_url=base, timeout=60) as client,
+    ):
+        answers = await asyncio.gather(*(client.get("/whoami", headers=bearer(token)) for _ in range(8)))
+        assert [a.status_code for a in answers] == [503] * 8, [a.text for a in answers]
+        assert "unavailable" in answers[0].json()["detail"]
+        assert provider.trickles_started == 1  # one fetch for every waiting request
+        assert provider.trickles_finished == 0  # answered long before the provider finished
+
+        provider.trickle = 0
+        await until_status(client, token, 200)
+        provider.trickle = 0.2
+        started = provider.trickles_started
+        while provider.trickles_started == started:  # the cache goes stale: a refresh trickles
+            answer = await client.get("/whoami", headers=bearer(token))
+            assert answer.status_code == 200, answer.text
+        for _ in range(5):  # while that refresh is under way, the cached key answers at once
+            answer = await client.get("/whoami", headers=bearer(token))
+            assert answer.status_code == 200, answer.text
+        refused = await client.get("/whoami", headers=bearer(unknown.sign(provider.claims())))
+        assert refused.status_code == 503, refused.text
+        assert provider.trickles_finished == 0
+
+
+async def until_status(client: httpx.AsyncClient, token: str, status: int) -> None:
+    deadline = time.monotonic() + 30
+    while (await client.get("/whoami", headers=bearer(token))).status_code != status:
+        assert time.monotonic() < deadline, f"never answered {status}"
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "read-to-close"])
+async def test_an_oversized_key_set_is_refused_and_read_no_further(
+    provider: Provider, caplog: pytest.LogCaptureFixture, declared: bool
+) -> None:
+    """A 64 MiB key set is refused with a clear warning, the keys already fetched keep verifying,
+    and the service stops reading at its cap: the provider could not send more than its socket
+    buffers hold beyond it."""
+    key = rsa_key("k1")
+    provider.published = [key]
+    clock = FakeMonotonic()
+    tokens = provider_tokens(provider, clock)
+    assert (await tokens.authenticate(key.sign(provider.claims()), client_host=None)).tenant_id == "acme"
+    provider.padding_bytes = 64 << 20
+    provider.declare_length = declared
+    provider.body_bytes_sent = 0
+    clock.now += 600
+    with caplog.at_level(logging.WARNING, logger="outbox_kit"):
+        with pytest.raises(KeysUnavailableError, match="larger than 1048576 bytes"):
+            await tokens.authenticate(rsa_key("k2").sign(provider.claims()), client_host=None)
+        # The cached key still verifies, answered at once while a refresh is not allowed yet.
+        assert (await tokens.authenticate(key.sign(provider.claims()), client_host=None)).tenant_id == "acme"
+    assert any("larger than 1048576 bytes" in r.getMessage() for r in caplog.records), caplog.text
+    assert provider.body_bytes_sent < 16 << 20, provider.body_bytes_sent
 
 
 async def test_while_the_provider_is_down_known_keys_keep_working_and_unknown_ones_answer_503(

@@ -9,9 +9,13 @@ import itertools
 import json
 import os
 import subprocess
+import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +31,16 @@ from outbox_kit.processor.processor import PostgresListener
 from outbox_kit.runtime.cli import CliError, reload_on_change
 from outbox_kit.runtime.container import OutboxContainer, build_listeners
 from outbox_kit.runtime.settings import Environment
-from outbox_kit.testing.fixtures import acting_as, eventually, fetch, service_argv
+from outbox_kit.testing.fixtures import (
+    acting_as,
+    eventually,
+    fetch,
+    free_port,
+    service_argv,
+    service_env,
+    service_process,
+    wait_for,
+)
 from outbox_kit.testing.harness import (
     Counter,
     Counters,
@@ -267,3 +280,84 @@ def test_reload_is_refused_in_production(container: OutboxContainer) -> None:
     production = container.settings().model_copy(update={"environment": Environment.PRODUCTION})
     with pytest.raises(CliError, match="refused in production"):
         reload_on_change(production, lambda settings: container)
+
+
+# A service whose project folder is not the working directory: the kit's own service on the
+# project folder given, as a generated service's __main__ gives its own.
+TOKEN_COMMAND = (
+    "import sys; from pathlib import Path; from outbox_kit.runtime import cli; "
+    "from outbox_kit.runtime.settings import ServiceSettings; "
+    "from outbox_kit.testing.processes import harness_service; "
+    "cli.main(ServiceSettings, harness_service, project=Path(sys.argv[1]), argv=sys.argv[2:])"
+)
+OWN_SECRET = "the-service-own-secret-of-at-least-32-bytes"
+
+
+def mint_elsewhere(project: Path, cwd: Path, database_url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", TOKEN_COMMAND, str(project), "token", "--tenant", "acme", "--user", "alice"],
+        cwd=cwd,
+        env=service_env(database_url),
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+
+
+def test_token_reads_the_services_own_settings_from_any_folder(tmp_path: Path, sqlite_url: str) -> None:
+    """``TOKEN=$(... token ...)`` pasted in another folder than the service's: the token is
+    signed with the service's own secret and stamped with its issuer and audience (from the
+    service's .env), so the running server accepts it; stderr says what was stamped, stdout
+    holds the token alone."""
+    project, elsewhere = tmp_path / "service", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    issuer, audience = "https://id.example", "orders"
+    (project / ".env").write_text(
+        f"AUTH__JWT_SECRET={OWN_SECRET}\nAUTH__JWT_ISSUER={issuer}\nAUTH__JWT_AUDIENCE={audience}\n"
+    )
+    minted = mint_elsewhere(project, elsewhere, sqlite_url)
+    assert minted.returncode == 0, minted.stderr
+    token = minted.stdout.strip()
+    assert "\n" not in token
+    assert str(project / ".env") in minted.stderr
+    assert f"issuer {issuer}; audience {audience}" in minted.stderr
+    assert OWN_SECRET not in minted.stderr
+
+    port = free_port()
+    server_settings = {
+        "AUTH__JWT_SECRET": OWN_SECRET,
+        "AUTH__JWT_ISSUER": issuer,
+        "AUTH__JWT_AUDIENCE": audience,
+        "API__PORT": str(port),
+    }
+    with service_process(sqlite_url, "api", **server_settings) as server:
+        wait_for(f"http://127.0.0.1:{port}/livez", server)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/admin/outbox/pending", headers={"Authorization": f"Bearer {token}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as answer:  # noqa: S310 (loopback)
+                status = answer.status
+        except urllib.error.HTTPError as error:
+            status, detail = error.code, error.read().decode()
+        else:
+            detail = ""
+    assert status == 403, detail  # accepted as alice (403: she holds no admin role), not 401
+
+
+def test_token_refuses_the_built_in_secret_while_a_dotenv_here_names_another(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """The service's settings name no secret, but the working directory's .env does: a token
+    signed with the built-in secret would surprise whoever pasted it, so nothing is printed."""
+    project, elsewhere = tmp_path / "service", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / ".env").write_text("ENVIRONMENT=development\n")  # the service's: no secret of its own
+    (elsewhere / ".env").write_text(f"AUTH__JWT_SECRET={OWN_SECRET}\n")
+    minted = mint_elsewhere(project, elsewhere, sqlite_url)
+    assert minted.returncode == 2, minted.stdout
+    assert "built-in development secret" in minted.stderr
+    assert minted.stdout == ""

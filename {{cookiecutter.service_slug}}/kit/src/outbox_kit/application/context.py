@@ -12,7 +12,10 @@ A value within them is never refused downstream; the columns that store these va
 more than ``n`` characters).
 
 Roles travel flattened: one comma-joined text of at most 512 bytes in UTF-8 (the unit the
-``x-user-roles`` header is bounded in), in a header and in an outbox column. A token whose roles
+``x-user-roles`` header is bounded in), in a header and in an outbox column. A role that form
+would not carry back unchanged (a comma, whitespace at either end, empty) is refused wherever it
+enters, by the one check :func:`check_roles` (the API's token, the ``token`` command, a captured
+context), so the role a consumer restores is the role the API checked. A token whose roles
 flatten to more is refused at the API; for a context set by other means, whole roles that would
 cross the cap are dropped, never cut, so a role is never stored as a prefix of itself.
 
@@ -38,6 +41,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+
+from outbox_kit.application.text import shorten
 
 MAX_CORRELATION_ID_BYTES = 64  # ASCII only (see the pattern): as many characters
 
@@ -105,24 +110,34 @@ def validate_traceparent(value: str | None) -> str | None:
 MAX_ROLES_BYTES = 512
 
 
-def _cleaned(roles: Iterable[str]) -> Iterable[str]:
-    for role in roles:
-        cleaned = role.replace(",", "").strip()
-        if cleaned:
-            yield cleaned
+def check_roles(roles: Iterable[str]) -> tuple[str, ...]:
+    """``roles`` unchanged, when each is what the flattened form carries back as it is: not
+    empty, no comma, no whitespace at either end. Otherwise :class:`InvalidContextError`: a role
+    is refused where it enters, never cleaned after it was checked (``"outbox-admin "``, refused
+    by an exact check at the API, would come back as ``outbox-admin`` to every consumer)."""
+    checked = tuple(roles)
+    for role in checked:
+        if not role or role != role.replace(",", "").strip():
+            msg = (
+                "a role must be non-empty, without a comma and without whitespace at either end, "
+                f"got {shorten(role)!r}"
+            )
+            raise InvalidContextError(msg)
+    return checked
 
 
 def flattened_size(roles: Iterable[str]) -> int:
     """The UTF-8 size of the roles flattened without a cap (what a token asks for)."""
-    return len(",".join(_cleaned(roles)).encode("utf-8", "surrogatepass"))
+    return utf8_size(",".join(check_roles(roles)))
 
 
 def flatten_roles(roles: Iterable[str]) -> str | None:
-    """Comma-join roles, dropping whole roles that would cross the 512-byte cap."""
+    """Comma-join roles (each checked: :func:`check_roles`), dropping whole roles that would
+    cross the 512-byte cap."""
     kept: list[str] = []
     size = 0
-    for role in _cleaned(roles):
-        extra = len(role.encode("utf-8", "surrogatepass")) + (1 if kept else 0)
+    for role in check_roles(roles):
+        extra = utf8_size(role) + (1 if kept else 0)
         if size + extra > MAX_ROLES_BYTES:
             break
         kept.append(role)
@@ -187,8 +202,9 @@ def use_context(context: RequestContext) -> Iterator[RequestContext]:
 
 
 def capture_context() -> CapturedContext:
-    """Snapshot the ambient context for persistence (roles flattened and capped); an identity
-    over its byte limit is refused (``InvalidContextError``) before any row carries it."""
+    """Snapshot the ambient context for persistence (roles checked, flattened and capped); an
+    identity over its byte limit or a role the flattened form would change is refused
+    (``InvalidContextError``) before any row carries it."""
     context = current_context()
     check_identity(context.tenant_id, context.user_id)
     return CapturedContext(

@@ -70,13 +70,17 @@ class CliError(Exception):
     """A problem the user can fix; printed as one line."""
 
 
-def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
-    from outbox_kit.runtime.http import InvalidTokenError
+def _token(args: argparse.Namespace, container: OutboxContainer, env_file: Path) -> None:
+    """Print a development token on stdout (only the token: ``TOKEN=$(...)`` works) and, on
+    stderr, what it was signed with and stamped with, so a token the server refuses is explained
+    before it is sent."""
+    from outbox_kit.runtime.identity_provider import InvalidTokenError
 
     settings = container.settings()
     if settings.is_production:
         msg = "token minting is a development helper and is refused in production"
         raise CliError(msg)
+    source = secret_source(settings, env_file)
     roles = tuple(r.strip() for r in args.roles.split(",") if r.strip())
     tokens = container.tokens()
     token = tokens.mint(user_id=args.user, tenant_id=args.tenant, roles=roles)
@@ -84,7 +88,49 @@ def _token(args: argparse.Namespace, container: OutboxContainer) -> None:
         tokens.verify(token)  # the API's own checks: a token it would refuse is not printed
     except InvalidTokenError as error:
         raise CliError(str(error).removeprefix("invalid bearer token: ")) from None
+    auth = settings.auth
+    print(
+        f"token: signed with AUTH__JWT_SECRET from {source}; issuer "
+        f"{auth.expected_issuer or '(none)'}; audience {auth.jwt_audience or '(none)'}",
+        file=sys.stderr,
+    )
     print(token)
+
+
+SECRET_VARIABLE = "AUTH__JWT_SECRET"  # noqa: S105 (a variable's name, not a secret)
+
+
+def secret_source(settings: ServiceSettings, env_file: Path) -> str:
+    """Where the JWT secret in effect comes from: the environment, ``env_file``, or the built-in
+    development default, which is refused (a :class:`CliError`) while a ``.env`` of the working
+    directory names another: a token signed with it would be refused by the server."""
+    from dotenv import dotenv_values
+
+    from outbox_kit.runtime.settings import DEV_JWT_SECRET
+
+    if any(name.upper() == SECRET_VARIABLE for name in os.environ):
+        return "the environment"
+    if env_file.is_file() and _names_secret(dotenv_values(env_file)):
+        return str(env_file)
+    other = Path(".env").resolve()
+    in_effect = settings.auth.jwt_secret.get_secret_value()
+    if in_effect == DEV_JWT_SECRET and other.is_file() and _names_secret(dotenv_values(other)):
+        msg = (
+            f"{other} sets {SECRET_VARIABLE}, but the service's settings ({env_file}) do not: the "
+            "token would be signed with the built-in development secret; run the command from the "
+            "service's folder or set the secret in its .env"
+        )
+        raise CliError(msg)
+    return "the built-in development default (no .env or environment sets it)"
+
+
+def _names_secret(values: dict[str, str | None]) -> bool:
+    from outbox_kit.runtime.settings import DEV_JWT_SECRET
+
+    return any(
+        name.upper() == SECRET_VARIABLE and value and value != DEV_JWT_SECRET
+        for name, value in values.items()
+    )
 
 
 def _asyncapi(args: argparse.Namespace, container: OutboxContainer) -> None:
@@ -155,11 +201,19 @@ def build_parser(
     return parser
 
 
-def load_settings(settings_type: type[SettingsT]) -> SettingsT:
-    """The settings from the environment and ``.env``; a refused value is a :class:`CliError`
-    with one line per problem."""
+def env_file_of(project: Path) -> Path:
+    """The ``.env`` a command reads: the service's own, in its project folder, wherever the
+    command runs (``TOKEN=$(... token ...)`` pasted in another folder signed with the built-in
+    secret); the working directory's when the project has none (an installed copy)."""
+    own = project / ".env"
+    return own if own.is_file() else Path(".env")
+
+
+def load_settings(settings_type: type[SettingsT], env_file: Path | None = None) -> SettingsT:
+    """The settings from the environment and ``env_file`` (default: the working directory's
+    ``.env``); a refused value is a :class:`CliError` with one line per problem."""
     try:
-        return settings_type()
+        return settings_type(_env_file=env_file or Path(".env"))
     except ValidationError as error:
         lines = [
             f"configuration error: {'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
@@ -176,13 +230,15 @@ def run(
     argv: Sequence[str] | None = None,
     description: str | None = None,
 ) -> int:
-    """Run one command; ``project`` is the folder of the service's ``alembic.ini``.
+    """Run one command; ``project`` is the folder of the service's ``alembic.ini`` and of the
+    ``.env`` every command reads (see :func:`env_file_of`).
 
     ``settings_type`` and ``build_container`` may be given as references (``"module:name"``),
     imported only once the arguments are parsed: a service's ``__main__`` does, so ``--help``
     (and a mistyped command) answers at once."""
     args = build_parser(settings_type, description).parse_args(argv)
-    settings = load_settings(resolve(settings_type))
+    env_file = env_file_of(project)
+    settings = load_settings(resolve(settings_type), env_file)
     configure_logging(settings.logging)
     configure_error_tracking(settings)
     build: Callable[[SettingsT], OutboxContainer] = resolve(build_container)
@@ -197,7 +253,7 @@ def run(
     if args.command in ("run", "api", "worker"):
         _serve(args, settings, container)
     elif args.command == "token":
-        _token(args, container)
+        _token(args, container, env_file)
     elif args.command == "asyncapi":
         _asyncapi(args, container)
     elif args.command == "outbox":

@@ -51,7 +51,8 @@ from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.processor.processor import Deliverer, PostgresListener, SourceSettings
-from outbox_kit.runtime.http import ClaimNames, ProviderKeys, SharedSecretTokens, TokenService
+from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService
+from outbox_kit.runtime.identity_provider import ProviderKeys
 from outbox_kit.runtime.settings import ServiceSettings, TracingBackend
 from outbox_kit.runtime.worker import Worker
 from outbox_kit.transports.bus import CircuitBreaker, DirectPublisher, MessageBus
@@ -488,6 +489,7 @@ def build_tokens(settings: ServiceSettings) -> TokenService:
             issuer=auth.oidc_issuer,
             cache_seconds=auth.jwks_cache_seconds,
             timeout_seconds=auth.jwks_timeout_seconds,
+            refetch_seconds=auth.jwks_refetch_seconds,
         )
     shared = SharedSecretTokens.NEVER if settings.is_production else SharedSecretTokens.LOOPBACK
     return TokenService(

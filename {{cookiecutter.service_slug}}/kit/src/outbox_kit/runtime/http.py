@@ -69,9 +69,6 @@ import json
 import logging
 import math
 import re
-import threading
-import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -85,7 +82,7 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from jwt import PyJWK, PyJWKClient
+from jwt import PyJWK
 from pydantic import BaseModel
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
@@ -98,6 +95,7 @@ from outbox_kit.application.context import (
     MAX_USER_BYTES,
     InvalidContextError,
     RequestContext,
+    check_roles,
     current_context,
     fits,
     flattened_size,
@@ -114,6 +112,7 @@ from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
 from outbox_kit.persistence.database import is_database_outage, is_database_timeout, is_transient
 from outbox_kit.persistence.idempotency import Answer, IdempotencyKey, IdempotencyKeyReusedError
+from outbox_kit.runtime.identity_provider import InvalidTokenError, KeysUnavailableError, ProviderKeys
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +123,6 @@ MAX_TOKEN_LENGTH = 8192
 # float and 1e308 (a token that never expires) passed; a time is an integer up to 9999-12-31.
 TIME_CLAIMS = ("exp", "nbf", "iat")
 LATEST_TIME = 253_402_300_799
-
-
-class InvalidTokenError(ValueError):
-    """The bearer token is missing a claim, expired, or not signed by a key we trust."""
-
-
-class KeysUnavailableError(InvalidTokenError):
-    """The identity provider's keys could not be fetched and none cached verifies this token: the
-    token may well be valid, so the caller is told to retry (503), not that it is refused."""
 
 
 class SharedSecretTokens(StrEnum):
@@ -166,122 +156,6 @@ class Identity:
     user_id: str
     tenant_id: str
     roles: tuple[str, ...]
-
-
-# A token naming a key we do not know makes us fetch the provider's keys again (it rotated), but
-# at most this often: otherwise every forged kid would be a request to the provider.
-REFETCH_SECONDS = 30.0
-MAX_DISCOVERY_BYTES = 1 << 20
-SIGNING_USES = frozenset({None, "sig"})
-
-
-class ProviderKeys:
-    """The signing keys an OpenID Connect provider publishes (its JWKS), from ``jwks_url`` or from
-    the discovery document of ``issuer``.
-
-    Kept for ``cache_seconds``; a token naming a key not among them fetches them again (the
-    provider rotated its keys), at most once per ``refetch_seconds``. While the provider does
-    not answer, the keys already fetched keep verifying tokens; a token no cached key verifies is
-    :class:`KeysUnavailableError`. Fetching (PyJWT's ``PyJWKClient``, blocking) runs in a thread,
-    one at a time; a cached key is found without leaving the event loop."""
-
-    def __init__(
-        self,
-        *,
-        jwks_url: str = "",
-        issuer: str = "",
-        cache_seconds: float = 300.0,
-        timeout_seconds: float = 5.0,
-        refetch_seconds: float = REFETCH_SECONDS,
-        monotonic: Callable[[], float] = time.monotonic,
-    ) -> None:
-        if not (jwks_url or issuer):
-            msg = "ProviderKeys needs the provider's jwks_url or its issuer"
-            raise ValueError(msg)
-        self._jwks_url = jwks_url
-        self._issuer = issuer
-        self._cache_seconds = cache_seconds
-        self._timeout = timeout_seconds
-        self._refetch_seconds = refetch_seconds
-        self._monotonic = monotonic
-        self._keys: dict[str, PyJWK] = {}
-        self._fetched_at = -math.inf
-        self._tried_at = -math.inf
-        self._failure = ""
-        self._lock = threading.Lock()
-        self.fetches = 0  # requests for the key set that were sent (read by tests and logs)
-
-    async def key_for(self, kid: str | None) -> PyJWK:
-        """The key that signed a token naming ``kid`` (``None``: the provider's only key)."""
-        if self._fresh():
-            key = self._pick(kid)
-            if key is not None:
-                return key
-        return await asyncio.to_thread(self._refreshed_key_for, kid)
-
-    def _fresh(self) -> bool:
-        return self._monotonic() - self._fetched_at < self._cache_seconds
-
-    def _pick(self, kid: str | None) -> PyJWK | None:
-        if kid is None:
-            return next(iter(self._keys.values())) if len(self._keys) == 1 else None
-        return self._keys.get(kid)
-
-    def _refreshed_key_for(self, kid: str | None) -> PyJWK:
-        if not self._lock.acquire(timeout=self._timeout * 2):
-            raise KeysUnavailableError(self._unavailable("another fetch of its keys did not end"))
-        try:
-            # Fetched while this one waited? Otherwise fetch, when the last try is old enough;
-            # either way a stale key still verifies while the provider is away.
-            stale_or_unknown = not self._fresh() or self._pick(kid) is None
-            if stale_or_unknown and self._monotonic() - self._tried_at >= self._refetch_seconds:
-                self._fetch()
-            key = self._pick(kid)
-        finally:
-            self._lock.release()
-        if key is not None:
-            return key
-        if self._failure:
-            raise KeysUnavailableError(self._unavailable(self._failure))
-        msg = (
-            f"invalid bearer token: signed with a key the identity provider does not publish "
-            f"(kid {short_echo(kid)!r})"
-        )
-        raise InvalidTokenError(msg)
-
-    def _unavailable(self, why: str) -> str:
-        return f"the identity provider's signing keys are unavailable ({why}); retry shortly"
-
-    def _fetch(self) -> None:
-        self._tried_at = self._monotonic()
-        self.fetches += 1
-        try:
-            url = self._jwks_url or self._discovered_jwks_url()
-            client = PyJWKClient(url, cache_jwk_set=False, cache_keys=False, timeout=self._timeout)
-            key_set = client.get_jwk_set()
-        except (jwt.PyJWKClientError, jwt.PyJWKSetError, OSError, ValueError) as error:
-            self._failure = f"{type(error).__name__}: {shorten(str(error), 200)}"
-            log.warning("could not fetch the identity provider's keys: %s", self._failure)
-            return
-        self._keys = {key.key_id or "": key for key in key_set.keys if key.public_key_use in SIGNING_USES}
-        self._fetched_at = self._monotonic()
-        self._failure = ""
-
-    def _discovered_jwks_url(self) -> str:
-        url = self._issuer.rstrip("/") + "/.well-known/openid-configuration"
-        # http(s) only: the settings refuse any other scheme.
-        with urllib.request.urlopen(url, timeout=self._timeout) as response:  # noqa: S310
-            document = json.loads(response.read(MAX_DISCOVERY_BYTES))
-        if not isinstance(document, dict) or document.get("issuer") != self._issuer:
-            # OpenID Connect Discovery 4.3: a document naming another issuer is not trusted.
-            got = document.get("issuer") if isinstance(document, dict) else None
-            msg = f"the discovery document at {url} names issuer {short_echo(got)!r}, not {self._issuer!r}"
-            raise ValueError(msg)
-        jwks_uri = document.get("jwks_uri")
-        if not isinstance(jwks_uri, str) or not jwks_uri.startswith(("https://", "http://")):
-            msg = f"the discovery document at {url} has no http(s) jwks_uri"
-            raise ValueError(msg)
-        return jwks_uri
 
 
 class TokenService:
@@ -401,22 +275,34 @@ class TokenService:
         # characters but not in bytes was accepted here and refused by every consumer.
         user = _bounded_text(names.user, _claim_at(claims, names.user), MAX_USER_BYTES)
         tenant = _bounded_text(names.tenant, _claim_at(claims, names.tenant), MAX_TENANT_BYTES)
-        roles = _claim_at(claims, names.roles)
-        if roles is None:
-            roles = []
-        if isinstance(roles, str):  # "a,b" or an OAuth scope-like "a b"
-            roles = [r for r in re.split(r"[, ]", roles) if r]
-        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
-            msg = f"invalid bearer token: {names.roles!r} must be a list of strings"
-            raise InvalidTokenError(msg)
-        if flattened_size(roles) > MAX_ROLES_BYTES:
+        roles = self._roles(claims)
+        _refuse_control_characters(**{names.user: [user], names.tenant: [tenant], names.roles: roles})
+        try:
+            checked = check_roles(roles)  # the one check every way into a context makes
+        except InvalidContextError as error:
+            msg = f"invalid bearer token: {names.roles!r}: {error}"
+            raise InvalidTokenError(msg) from None
+        if flattened_size(checked) > MAX_ROLES_BYTES:
             msg = (
                 f"invalid bearer token: {names.roles!r} must be at most {MAX_ROLES_BYTES} bytes in "
-                f"UTF-8 comma-joined, got {flattened_size(roles)}"
+                f"UTF-8 comma-joined, got {flattened_size(checked)}"
             )
             raise InvalidTokenError(msg)
-        _refuse_control_characters(**{names.user: [user], names.tenant: [tenant], names.roles: roles})
-        return Identity(user_id=user, tenant_id=tenant, roles=tuple(roles))
+        return Identity(user_id=user, tenant_id=tenant, roles=checked)
+
+    def _roles(self, claims: dict[str, Any]) -> list[str]:
+        """The roles claim as a list: a list of strings, or one string of roles separated by
+        commas or spaces (an OAuth scope); absent, none."""
+        name = self._claims.roles
+        roles = _claim_at(claims, name)
+        if roles is None:
+            return []
+        if isinstance(roles, str):
+            return [r for r in re.split(r"[, ]", roles) if r]
+        if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
+            msg = f"invalid bearer token: {name!r} must be a list of strings"
+            raise InvalidTokenError(msg)
+        return roles
 
 
 def is_loopback(host: str) -> bool:

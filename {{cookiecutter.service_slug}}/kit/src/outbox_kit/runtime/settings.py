@@ -138,7 +138,10 @@ class AuthSettings(BaseModel):
     tenant_claim: str = "tenant"
     roles_claim: str = "roles"  # a dotted path reaches a nested claim: realm_access.roles
     jwks_cache_seconds: float = Field(default=300, gt=0)
+    # A whole fetch of the provider's keys (discovery document included), not one read of it.
     jwks_timeout_seconds: float = Field(default=5, gt=0)
+    # A token naming a key not cached fetches the keys again unless the last fetch began sooner.
+    jwks_refetch_seconds: float = Field(default=1, gt=0)
 
     @field_validator("jwt_algorithm")
     @classmethod
