@@ -187,11 +187,15 @@ def check_text(label: str, value: object, *, required: bool) -> str | None:
     if any(0xD800 <= ord(character) <= 0xDFFF for character in value):
         return f"{label} holds an unpaired surrogate; it is not valid text"
     if holds_template_syntax(value):
-        return f"{label} {value!r} holds template syntax ({{{{, {{% or {{#}}); remove it"
+        return f"{label} {value!r} {HOLDS_TEMPLATE_SYNTAX}"
     return None
 
 
 TEMPLATE_MARKERS = ("{{", "{%", "{#")
+# Joined, not escaped in an f-string: the escapes once printed a stray `}` after `{#`.
+HOLDS_TEMPLATE_SYNTAX = (
+    f"holds template syntax ({', '.join(TEMPLATE_MARKERS[:-1])} or {TEMPLATE_MARKERS[-1]}); remove it"
+)
 
 
 def holds_template_syntax(text: str) -> bool:
@@ -322,5 +326,5 @@ class AnswerValidation(Extension):  # type: ignore[misc]
         """
         del filename
         if name is None and holds_template_syntax(source) and "cookiecutter" not in source:
-            report([f"the answer {source!r} holds template syntax ({{{{, {{% or {{#}}); remove it"])
+            report([f"the answer {source!r} {HOLDS_TEMPLATE_SYNTAX}"])
         return source

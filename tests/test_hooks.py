@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from .support import TEMPLATE, bake
+from .support import TEMPLATE, bake, load_answer_rules
 
 pytestmark = pytest.mark.hooks
 
@@ -77,10 +77,18 @@ def test_an_answer_with_template_syntax_is_one_line_not_evaluated(tmp_path: Path
     an unbalanced ``{% raw %}`` a traceback. Both are one line, and nothing is generated."""
     result = bake_cli(tmp_path, answer)
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines() == [
-        f"ERROR: the answer {answer.split('=', 1)[1]!r} holds template syntax ({{{{, {{% or {{#}}); remove it"
-    ]
+    # Spelled out, not an f-string: the line once ended in a stray `}` that an f-string copy of
+    # the hook's own escapes repeated.
+    expected = "ERROR: the answer " + repr(answer.split("=", 1)[1]) + " holds template syntax "
+    assert result.stderr.strip().splitlines() == [expected + "({{, {% or {#); remove it"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_replayed_answer_with_template_syntax_names_the_markers_without_a_stray_brace() -> None:
+    """The rules the pre-generation hook applies to a replayed answer say the same thing."""
+    rules = load_answer_rules()
+    message = rules.check_text("author", "O'Brien {# x", required=False)
+    assert message == 'author "O\'Brien {# x" holds template syntax ({{, {% or {#); remove it'
 
 
 def test_the_pre_gen_hook_rejects_replayed_answers(tmp_path: Path) -> None:

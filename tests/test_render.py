@@ -181,6 +181,36 @@ def test_the_template_docs_link_to_pages_that_exist() -> None:
     assert broken == []
 
 
+SERVICE = TEMPLATE / "{{cookiecutter.service_slug}}"
+
+
+def test_the_docs_name_the_newest_migration_and_every_revision() -> None:
+    """extending.md once called `0003` the newest revision after `0004` had shipped, and told
+    whoever followed it to add a second `0004`."""
+    revisions = sorted(path.name[:4] for path in (SERVICE / "migrations" / "versions").glob("[0-9]*.py"))
+    extending = (SERVICE / "docs" / "extending.md").read_text()
+    (newest,) = re.findall(r"the newest in `migrations/versions/` is `(\d{4})`", extending)
+    assert newest == revisions[-1]
+    (rev_id,) = re.findall(r"--rev-id (\d{4})", extending)
+    assert int(rev_id) == int(newest) + 1
+    layout = next(
+        line
+        for line in (SERVICE / "docs" / "architecture.md").read_text().splitlines()
+        if line.startswith("migrations/")
+    )
+    policy = (SERVICE / "docs" / "upgrading.md").read_text().split("## Migrations policy", 1)[1]
+    assert [r for r in revisions if r not in layout or f"`{r}`" not in policy] == []
+
+
+def test_upgrading_says_once_that_the_template_carries_uv_lock() -> None:
+    """upgrading.md said both that `uv.lock` is and is not part of the template; it is."""
+    assert (SERVICE / "uv.lock").is_file()
+    upgrading = (SERVICE / "docs" / "upgrading.md").read_text()
+    assert "`uv.lock` is not part of the template" not in upgrading
+    assert upgrading.count("`uv.lock` is part of the template") == 1
+    assert "-x uv.lock" not in upgrading  # a replayed bake has one: compare it too
+
+
 def test_a_service_without_the_example_is_not_told_about_it(bakes: dict[str, Path]) -> None:
     """No /orders call, and no pointer at the example's files as if the service had them."""
     project = bakes["no-example"]

@@ -129,6 +129,28 @@ async def test_a_local_handler_that_never_returns_holds_only_its_own_row(
             await asyncio.wait_for(container.worker().stop(), 30)
 
 
+async def test_a_shortened_lease_alone_limits_every_delivery(make_container: ContainerFactory) -> None:
+    """Only ``OUTBOX__LEASE_SECONDS`` set (2 s): the delivery's limit follows it (half the
+    lease), so a handler that never returns is cut at 1 s, well inside its lease."""
+    shortened = {"lease_seconds": 2, "processing_delay_seconds": 0, "immediate_dispatch": False}
+    container = make_container(outbox={**shortened, "max_retries": 1, "retry_backoff_base_seconds": 0.2})
+    assert container.settings().outbox.delivery_timeout_seconds == 1
+    handler = HangsOnce()
+    await install_kit(container)
+    container.handlers().on_domain_event(Noted, handler)
+    await container.worker().start()
+    try:
+        await note(container, HANG)
+
+        async def dead_lettered() -> bool:
+            return (await noted_rows(container))[HANG].dead_lettered_on is not None
+
+        await until(dead_lettered, timeout=30)
+        assert "delivery timed out after 1 s" in (await noted_rows(container))[HANG].last_error
+    finally:
+        await asyncio.wait_for(container.worker().stop(), 30)
+
+
 async def test_an_internal_command_that_never_returns_holds_only_its_own_row(
     make_container: ContainerFactory,
 ) -> None:

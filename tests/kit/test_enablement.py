@@ -11,7 +11,15 @@ from typing import Any
 import pytest
 from outbox_kit.runtime.app import startup_diagnostics
 from outbox_kit.runtime.settings import DEV_JWT_SECRET
-from outbox_kit.testing.fixtures import kit_container, make_settings, service_argv
+from outbox_kit.testing.fixtures import (
+    free_port,
+    get,
+    kit_container,
+    make_settings,
+    service_argv,
+    service_process,
+    wait_for,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,6 +41,31 @@ def test_a_broker_with_the_outbox_explicitly_off_refuses_to_start() -> None:
     assert result.returncode == 2
     assert "ENABLE_OUTBOX=false is refused with the rabbitmq transport" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_shortened_lease_alone_starts_the_worker(sqlite_url: str) -> None:
+    """``OUTBOX__LEASE_SECONDS=5`` and nothing else: the time limits follow the lease, and the
+    worker starts (it was refused, twice over, for limits nobody had set)."""
+    port = free_port()
+    with service_process(sqlite_url, "worker", OUTBOX__LEASE_SECONDS="5", WORKER__PORT=str(port)) as process:
+        wait_for(f"http://127.0.0.1:{port}/livez", process)
+        assert get(f"http://127.0.0.1:{port}/livez")[0] == 200
+
+
+def test_explicit_time_limit_contradictions_are_one_configuration_error() -> None:
+    """Two limits that contradict the delivery's: both named at once, on one line, exit 2."""
+    result = run_cli(
+        "worker",
+        OUTBOX__LEASE_SECONDS="5",
+        OUTBOX__DELIVERY_TIMEOUT_SECONDS="3",
+        MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS="3",
+        MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS="4",
+    )
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: configuration error: ")
+    assert "MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS (3) must be below" in line
+    assert "MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS (4) must be below" in line
 
 
 def test_production_refuses_dev_tokens() -> None:

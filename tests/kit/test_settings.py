@@ -50,7 +50,8 @@ def test_a_broker_with_the_outbox_explicitly_off_is_refused() -> None:
     [
         # The limit and its margin (a fifth of the lease) must fit inside the lease.
         ({"lease_seconds": 15, "delivery_timeout_seconds": 12.5}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),
-        ({"lease_seconds": 60}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),  # the default limit, 60 s
+        # Against the default lease (300 s): the lease is not derived from the limit.
+        ({"delivery_timeout_seconds": 250}, {}, "OUTBOX__DELIVERY_TIMEOUT_SECONDS"),
         # A publish is one part of a delivery: its own limit cannot be longer.
         ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 10}, "PUBLISH_TIMEOUT_SECONDS"),
         ({"delivery_timeout_seconds": 5}, {"publish_timeout_seconds": 5}, "PUBLISH_TIMEOUT_SECONDS"),
@@ -90,6 +91,88 @@ def test_time_limits_inside_the_lease_are_accepted() -> None:
     assert settings().message_bus.handler_timeout_seconds < settings().outbox.delivery_timeout_seconds
     with pytest.raises(ValidationError):
         settings(message_bus={"handler_timeout_seconds": 0})
+
+
+def test_a_shortened_lease_alone_starts_with_time_limits_that_follow_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``OUTBOX__LEASE_SECONDS=5`` alone was refused (the default delivery limit, 60 s, did not
+    fit), then, once that was set, refused again for the publish limit: one setting is enough."""
+    monkeypatch.setenv("OUTBOX__LEASE_SECONDS", "5")
+    shortened = ServiceSettings(_env_file=None)  # type: ignore[call-arg]
+    delivery = shortened.outbox.delivery_timeout_seconds
+    assert delivery + shortened.outbox.lease_margin_seconds <= shortened.outbox.lease_seconds
+    assert shortened.message_bus.publish_timeout_seconds < delivery
+    assert shortened.message_bus.handler_timeout_seconds < delivery  # in-process: inside a delivery
+    # What was derived stays unset: only OUTBOX__LEASE_SECONDS was given.
+    assert shortened.outbox.model_fields_set == {"lease_seconds"}
+    assert shortened.message_bus.model_fields_set == set()
+    # A broker's consumers are not part of a delivery: their limit keeps its default.
+    monkeypatch.setenv("MESSAGE_BUS__TRANSPORT", "nats")
+    broker = ServiceSettings(_env_file=None)  # type: ignore[call-arg]
+    assert broker.message_bus.handler_timeout_seconds == settings().message_bus.handler_timeout_seconds
+    assert broker.message_bus.publish_timeout_seconds < broker.outbox.delivery_timeout_seconds
+
+
+def test_at_the_default_lease_the_time_limits_are_their_documented_defaults() -> None:
+    defaults = settings()
+    limits = (
+        defaults.outbox.delivery_timeout_seconds,
+        defaults.message_bus.publish_timeout_seconds,
+        defaults.message_bus.handler_timeout_seconds,
+    )
+    assert limits == (60, 10, 30)
+
+
+def test_an_empty_time_limit_is_unset_and_follows_the_lease(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``.env.example`` leaves the limits empty (``OUTBOX__DELIVERY_TIMEOUT_SECONDS=``), so a
+    ``.env`` copied from it does not pin them against a lease shortened later."""
+    for name in ("OUTBOX__DELIVERY_TIMEOUT_SECONDS", "MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS"):
+        monkeypatch.setenv(name, "")
+    monkeypatch.setenv("MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS", "")
+    monkeypatch.setenv("OUTBOX__LEASE_SECONDS", "5")
+    empty = ServiceSettings(_env_file=None)  # type: ignore[call-arg]
+    shortened = settings(outbox={"lease_seconds": 5})
+    assert empty.outbox == shortened.outbox
+    assert empty.message_bus == shortened.message_bus
+
+
+def test_an_explicit_time_limit_that_fits_wins_over_the_derived_one() -> None:
+    chosen = settings(outbox={"lease_seconds": 5, "delivery_timeout_seconds": 4})
+    assert chosen.outbox.delivery_timeout_seconds == 4
+    assert chosen.message_bus.publish_timeout_seconds < 4  # follows the explicit delivery limit
+    derived = settings(outbox={"lease_seconds": 5}).message_bus.publish_timeout_seconds
+    assert chosen.message_bus.publish_timeout_seconds > derived
+    publish = settings(outbox={"lease_seconds": 5}, message_bus={"publish_timeout_seconds": 0.3})
+    assert publish.message_bus.publish_timeout_seconds == 0.3
+    handler = settings(outbox={"lease_seconds": 5}, message_bus={"handler_timeout_seconds": 0.2})
+    assert handler.message_bus.handler_timeout_seconds == 0.2
+
+
+def test_every_explicit_contradiction_is_refused_in_one_message() -> None:
+    with pytest.raises(ValidationError) as refused:
+        settings(
+            outbox={"lease_seconds": 5, "delivery_timeout_seconds": 10},
+            message_bus={"publish_timeout_seconds": 20, "handler_timeout_seconds": 20},
+        )
+    (error,) = refused.value.errors()
+    assert "\n" not in error["msg"]
+    for name in (
+        "OUTBOX__DELIVERY_TIMEOUT_SECONDS (10) must be at most 4 s",
+        "MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS (20) must be below",
+        "MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS (20) must be below",
+    ):
+        assert name in error["msg"]
+
+
+def test_an_explicit_limit_contradicting_the_lease_says_what_was_derived() -> None:
+    """The publish limit set, the delivery's not: the delivery's follows the lease, and the
+    message says so (the publish limit contradicts the lease through it)."""
+    with pytest.raises(ValidationError) as refused:
+        settings(outbox={"lease_seconds": 5}, message_bus={"publish_timeout_seconds": 10})
+    (error,) = refused.value.errors()
+    assert error["msg"].startswith("Value error, MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS (10) must be below")
+    assert "OUTBOX__DELIVERY_TIMEOUT_SECONDS (2.5, unset: from OUTBOX__LEASE_SECONDS (5))" in error["msg"]
 
 
 # What production needs from AUTH__ (RFC 7518 3.2: an HS256 key of at least 256 bits).

@@ -2,13 +2,12 @@
 processing delay 5 s, lease 300 s, a delivery time limit of 60 s, five retries, backoff base
 10 s, batch 100 with 32 deliveries in flight, retention 7 days), and the inbox's retention.
 A generated service's docs/performance.md says why; its docs/semantics.md ("Time limits") why the
-limit fits the lease."""
+limit fits the lease. Unset, the limit follows the lease; ``runtime.time_limits`` fits it (and
+refuses one set too long)."""
 
 from __future__ import annotations
 
-from typing import Self
-
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field
 
 # The part of a lease no delivery may use: it covers the renewal statement before a delivery, the
 # cancellation of one past its time limit, and clock differences between replicas. A delivery
@@ -32,7 +31,7 @@ class OutboxSettings(BaseModel):
     delivery_timeout_seconds: float = Field(
         default=60.0,
         gt=0,
-        description="Time limit of one delivery (publish or local handlers); at most 80% of the lease",
+        description="Time limit of one delivery (publish or local handlers); unset: follows the lease",
     )
     max_retries: int = Field(default=5, ge=1)
     retry_backoff_base_seconds: float = Field(default=10.0, gt=0)
@@ -49,20 +48,6 @@ class OutboxSettings(BaseModel):
     max_cascade_depth: int = Field(default=8, ge=1)
     shutdown_timeout_seconds: float = Field(default=5.0, gt=0)
     metrics_interval_seconds: float = Field(default=15.0, gt=0)
-
-    @model_validator(mode="after")
-    def _refuse_a_time_limit_that_does_not_fit_the_lease(self) -> Self:
-        """A delivery in flight must never outlive its lease, or another replica claims the row
-        and delivers it at the same time: the limit plus the margin must fit inside the lease."""
-        most = self.lease_seconds * (1 - LEASE_MARGIN_FRACTION)
-        if self.delivery_timeout_seconds - most > FLOAT_SLACK:  # 2.4 of a 3 s lease fits exactly
-            msg = (
-                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({self.delivery_timeout_seconds:g}) must be at most "
-                f"{most:g} s, 80% of OUTBOX__LEASE_SECONDS ({self.lease_seconds:g}): a delivery must "
-                "end inside its lease with a margin; lower the time limit or lengthen the lease"
-            )
-            raise ValueError(msg)
-        return self
 
     @property
     def lease_margin_seconds(self) -> float:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
@@ -27,6 +27,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from outbox_kit.application.handlers import ContextSource
 from outbox_kit.persistence.database import DatabaseSettings
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings
+from outbox_kit.runtime.time_limits import fit_to_the_lease, without_empty_limits
 from outbox_kit.transports.settings import (
     EXAMPLE_SIGNING_SECRET,
     MIN_PRODUCTION_KEY_LENGTH,
@@ -301,6 +302,18 @@ class ServiceSettings(BaseSettings):
     sources: dict[str, ContextSource] = Field(default_factory=dict)
     """A bounded context's own storage, by context name (``SOURCES__NOTIFICATIONS__SCHEMA=notes``)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _an_empty_time_limit_is_unset(cls, data: Any) -> Any:  # noqa: ANN401 (the sources' input)
+        return without_empty_limits(data)
+
+    @model_validator(mode="after")
+    def _time_limits_follow_the_lease(self) -> Self:
+        """Unset time limits derived from the lease; every explicit contradiction refused at
+        once (``time_limits``)."""
+        self.outbox, self.message_bus = fit_to_the_lease(self.outbox, self.message_bus)
+        return self
+
     @model_validator(mode="after")
     def _namespace_defaults_to_the_slug(self) -> Self:
         if not self.application.namespace:
@@ -338,37 +351,6 @@ class ServiceSettings(BaseSettings):
                 f"WORKER__LIVENESS_TIMEOUT_SECONDS ({timeout:g}) must be longer than the longest sleep "
                 f"of a processor loop ({longest_sleep:g} s: OUTBOX__IDLE_POLLING_INTERVAL_SECONDS and "
                 "OUTBOX__POLLING_INTERVAL_SECONDS)"
-            )
-            raise ValueError(msg)
-        return self
-
-    @model_validator(mode="after")
-    def _refuse_a_publish_limit_longer_than_a_delivery(self) -> Self:
-        """A publish is one part of a delivery, and its own limit must end it first: a publish
-        timing out during a broker outage is an outage (the circuit breaker pauses delivery,
-        nothing is charged), while the delivery's limit cutting it is charged to the row. An
-        equal limit races the two timers and charged outages to rows."""
-        publish, delivery = self.message_bus.publish_timeout_seconds, self.outbox.delivery_timeout_seconds
-        if publish >= delivery:
-            msg = (
-                f"MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS ({publish:g}) must be below "
-                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}): a publish is part of a delivery, "
-                "and a publish timing out in a broker outage must not be charged to the row"
-            )
-            raise ValueError(msg)
-        return self
-
-    @model_validator(mode="after")
-    def _refuse_an_in_process_handler_limit_as_long_as_a_delivery(self) -> Self:
-        """In-process, every consumer of an event runs inside the delivery that publishes it: a
-        handler limit as long as the delivery's would let one hung consumer use the whole
-        delivery, and the consumers after it would never run."""
-        handler, delivery = self.message_bus.handler_timeout_seconds, self.outbox.delivery_timeout_seconds
-        if not self.message_bus.is_broker and handler >= delivery:
-            msg = (
-                f"MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS ({handler:g}) must be below "
-                f"OUTBOX__DELIVERY_TIMEOUT_SECONDS ({delivery:g}) with the in-process transport: "
-                "its consumers run inside a delivery"
             )
             raise ValueError(msg)
         return self

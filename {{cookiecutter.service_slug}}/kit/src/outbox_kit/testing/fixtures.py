@@ -293,13 +293,7 @@ def settings_of(settings_type: type[SettingsT], database_url: str, **sections: d
     }
     for section, overrides in sections.items():
         values[section] = {**values.get(section, {}), **overrides}
-    bus, outbox = values["message_bus"], values["outbox"]
-    if "delivery_timeout_seconds" in outbox:
-        # A publish's own limit must end it before the delivery's does (settings).
-        bus.setdefault("publish_timeout_seconds", min(10.0, outbox["delivery_timeout_seconds"] / 2))
-    if bus.get("transport", "inprocess") == "inprocess" and "delivery_timeout_seconds" in outbox:
-        # In-process, a consumer runs inside a delivery: its limit must be shorter (settings).
-        bus.setdefault("handler_timeout_seconds", outbox["delivery_timeout_seconds"] / 2)
+    # Time limits a test leaves unset follow its lease and delivery limit (runtime.time_limits).
     return settings_type(_env_file=None, **cast("dict[str, Any]", values))
 
 

@@ -555,7 +555,6 @@ async def processor(args: argparse.Namespace) -> None:
         make_settings(
             args.db,
             application={"namespace": args.namespace, "instance_id": args.name},
-            message_bus={"publish_timeout_seconds": min(10.0, longest_delivery(args.lease) / 2)},
             outbox={
                 "lease_seconds": args.lease,
                 "delivery_timeout_seconds": longest_delivery(args.lease),
@@ -845,7 +844,6 @@ def build(args: argparse.Namespace) -> OutboxContainer:
                 "max_delivery_attempts": 3,
                 "redelivery_delay_seconds": 1.0,
                 "circuit_reset_seconds": 1.0,
-                "publish_timeout_seconds": min(10.0, longest_delivery(args.lease) / 2),
             },
             outbox={
                 "lease_seconds": args.lease,

@@ -56,8 +56,9 @@ class MessageBusSettings(BaseModel):
     # the kit's test_settings.py checks it): below that, an identity the API accepts could be
     # dead-lettered as oversized_header by every consumer.
     max_header_bytes: int = Field(default=4096, ge=2048)
+    # Both below OUTBOX__DELIVERY_TIMEOUT_SECONDS (the handler's in-process only, where consumers
+    # run inside a delivery); unset, they follow it (``runtime.time_limits``).
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
-    # Below OUTBOX__DELIVERY_TIMEOUT_SECONDS (60): in-process, the consumers run inside a delivery.
     handler_timeout_seconds: float = Field(
         default=30.0, gt=0, description="Time limit of one consumer handler run; past it, a failed attempt"
     )
