@@ -640,7 +640,10 @@ async def test_a_source_that_is_down_pauses_only_its_own_rows_and_loses_nothing(
             async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://t"
             ) as client:
-                ready = (await client.get("/readyz")).json()
+                answer = await client.get("/readyz")
+            ready = answer.json()
+            assert answer.status_code == 200, ready  # the default source serves: still ready
+            assert ready["status"] == "degraded"
             assert ready["checks"]["database"] == "ok"
             assert ready["checks"]["database:ledger"].startswith("error")
             await proxy.start()  # the line is back on the same port
@@ -650,6 +653,98 @@ async def test_a_source_that_is_down_pauses_only_its_own_rows_and_loses_nothing(
         assert [row[0] for row in ledger] == [f"s-{n}" for n in range(1, 6)]  # each once
         dead = [c for c in await container.admin().count_pending() if c.dead_lettered]
         assert dead == []  # an outage is never charged to a row
+
+
+def routed(container: OutboxContainer) -> None:
+    """Give each context a route that writes to its source: ``POST /sales/{id}`` (default
+    source) and ``POST /ledger/{id}`` (the ledger's)."""
+    from fastapi import APIRouter, Depends
+    from outbox_kit.runtime.http import units_of_work
+
+    sales, ledger = APIRouter(), APIRouter()
+
+    @sales.post("/sales/{sale_id}", status_code=201)
+    async def record_sale(sale_id: str, units: Any = Depends(units_of_work)) -> dict[str, str]:
+        await units().run(lambda uow: make_sale(uow, sale_id))
+        return {"id": sale_id}
+
+    @ledger.post("/ledger/{sale_id}", status_code=201)
+    async def record_entry(sale_id: str, units: Any = Depends(units_of_work)) -> dict[str, str]:
+        await units().run(lambda uow: uow.repository(Ledger).record(sale_id))
+        return {"id": sale_id}
+
+    ledger_module, sales_module = container.modules()
+    container.modules.override(
+        providers.Object(
+            [
+                Module(**{**ledger_module.__dict__, "routers": (ledger,)}),
+                Module(**{**sales_module.__dict__, "routers": (sales,)}),
+            ]
+        )
+    )
+
+
+async def test_a_source_that_is_down_keeps_the_service_ready_and_only_its_routes_answer_503(
+    build_on_postgres: Build, postgres_storage: Storage
+) -> None:
+    """PostgreSQL only (the outage is the line to the ledger's database cut): the API and the
+    worker stay ready, say which source is down, and the per-source probe fails; the ledger's
+    route answers 503 naming its context, the default source's route answers as always."""
+    from outbox_kit.runtime.app import create_worker_app
+
+    async with line_to(postgres_storage.ledger_url) as (proxy, ledger_url):
+        container = build_on_postgres(
+            ContextSource(database_url=ledger_url, schema=postgres_storage.ledger.schema_name)
+        )
+        routed(container)
+        auth = {"Authorization": f"Bearer {token_for(container)}"}
+        api, worker = create_app(container), create_worker_app(container)
+        async with (
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=api), base_url="http://api", timeout=30
+            ) as client,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=worker), base_url="http://w", timeout=30
+            ) as probe,
+        ):
+            assert (await client.post("/ledger/e-1", headers=auth)).status_code == 201
+            await proxy.cut()
+
+            for app_client in (client, probe):
+                ready = await app_client.get("/readyz")
+                assert ready.status_code == 200, ready.text
+                assert ready.json()["status"] == "degraded"
+                assert ready.json()["checks"]["database"] == "ok"
+                assert ready.json()["checks"]["bus"] == "ok"
+                assert ready.json()["checks"]["database:ledger"].startswith("error"), ready.text
+                for asked in ("ledger", "all"):
+                    assert (await app_client.get(f"/readyz?source={asked}")).status_code == 503
+                assert (await app_client.get("/readyz?source=default")).status_code == 200
+                assert (await app_client.get("/livez")).status_code == 200
+            unknown = await client.get("/readyz?source=billing")
+            assert unknown.status_code == 404
+            assert unknown.json()["detail"] == "no source named 'billing'; the sources: default, ledger, all"
+
+            refused = await client.post("/ledger/e-2", headers=auth)
+            assert refused.status_code == 503, refused.text
+            assert refused.json() == {
+                "detail": "the ledger context's database (source 'ledger') is unavailable",
+                "code": "database_unavailable",
+            }
+            assert refused.headers["retry-after"] == "1"
+            assert (await client.post("/sales/s-1", headers=auth)).status_code == 201
+
+            await proxy.start()  # the line is back on the same port
+            for app_client in (client, probe):
+                await until(lambda c=app_client: all_ready(c))
+            assert (await client.post("/ledger/e-3", headers=auth)).status_code == 201
+        ledger_rows = await rows(container, "ledger", sa.select(LEDGER.c.sale_id).order_by(LEDGER.c.sale_id))
+        assert [row[0] for row in ledger_rows] == ["e-1", "e-3"]  # the refused one wrote nothing
+
+
+async def all_ready(client: httpx.AsyncClient) -> bool:
+    answer = await client.get("/readyz?source=all")
+    return answer.status_code == 200 and answer.json()["status"] == "ok"
 
 
 async def counted(container: OutboxContainer, expected: list[str]) -> bool:

@@ -13,6 +13,13 @@ route no traffic here, but do not restart (a restart would not bring the databas
 ``Worker.stalled``); then a restart is the cure. The API alone has no loop, so its ``/livez``
 only proves the event loop answers.
 
+A partial outage stays partial. Readiness is decided by the default source's database and the
+bus: a context in a source of its own that is down is reported (``database:<source>``, status
+``degraded``) but does not take every replica out of the load balancer (that context's routes
+answer 503 naming it, see ``outbox_kit.runtime.http``). ``/readyz?source=<name>`` decides by
+that source's database and the bus instead, ``/readyz?source=all`` by every source: the probes
+for a monitor or for a load balancer in front of one context's routes.
+
 AsyncAPI. ``GET /asyncapi`` and the ``asyncapi`` command serve the AsyncAPI 3.0 document of the
 service, built from the registered messages: every integration event gets a channel (its broker
 address) and a message schema (from its pydantic model); every consumer gets a receive operation.
@@ -77,6 +84,7 @@ from outbox_kit.persistence.tables import DEFAULT_SOURCE
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 from outbox_kit.runtime.http import (
     Bearer,
+    ContextOfRoute,
     RequestContextMiddleware,
     RequestEdgeMiddleware,
     error_responses,
@@ -137,14 +145,19 @@ def create_app(container: OutboxContainer, *, with_worker: bool = False) -> Fast
     app.include_router(admin_router)
     # A context's routes get the units of work of its source (``units_of_work`` looks the
     # matched endpoint up here); anything else gets the default source's.
+    # The context and source are kept too: a route whose database is down answers 503 naming them.
     sources = container.data_sources()
     by_endpoint: dict[Callable[..., Any], UnitOfWorkFactory] = {}
+    contexts: dict[Callable[..., Any], ContextOfRoute] = {}
     for module in container.modules():
-        units = sources.of_context(module.name).units
+        source = sources.of_context(module.name)
         for router in module.routers:
             app.include_router(router)
-            by_endpoint |= {route.endpoint: units for route in router.routes if isinstance(route, APIRoute)}
+            endpoints = [route.endpoint for route in router.routes if isinstance(route, APIRoute)]
+            by_endpoint |= dict.fromkeys(endpoints, source.units)
+            contexts |= dict.fromkeys(endpoints, ContextOfRoute(module.name, source.name))
     app.state.units_by_endpoint = by_endpoint
+    app.state.context_by_endpoint = contexts
     return app
 
 
@@ -202,25 +215,60 @@ def add_probe_routes(app: FastAPI, container: OutboxContainer, *, worker: Worker
             return JSONResponse({"status": "stalled", "stalled": stalled}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/readyz", tags=["health"], responses={503: {"description": "The database or broker is down"}})
-    async def readyz() -> JSONResponse:
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        responses={
+            503: {"description": "The database (of the source asked about) or the broker is down"},
+            404: {"description": "No source of that name"},
+        },
+    )
+    async def readyz(
+        source: Annotated[
+            str | None,
+            Query(
+                description=(
+                    "Decide by this source's database (and the bus) instead of the default "
+                    "source's; 'all' decides by every source"
+                ),
+                max_length=64,
+            ),
+        ] = None,
+    ) -> JSONResponse:
+        sources = container.data_sources()
         # One line per source: "database" is the default source's, "database:<source>" another's.
-        probes = {
-            "database" if source.name == DEFAULT_SOURCE else f"database:{source.name}": source.database.ping
-            for source in container.data_sources()
-        }
+        probes = {_check_name(s.name): s.database.ping for s in sources}
         probes["bus"] = container.bus().ping
+        names = [s.name for s in sources]
+        deciding = _deciding_checks(source, names)
+        if deciding is None:
+            known = ", ".join(names)
+            return JSONResponse({"detail": f"no source named {source!r}; the sources: {known}, all"}, 404)
         timeout = container.settings().api.readiness_timeout_seconds
         results = await asyncio.gather(*(_check(probe, timeout) for probe in probes.values()))
         checks = dict(zip(probes, results, strict=True))
-        ready = all(value == "ok" for value in checks.values())
-        return JSONResponse(
-            {"status": "ok" if ready else "unavailable", "checks": checks}, status_code=200 if ready else 503
-        )
+        ready = all(checks[name] == "ok" for name in deciding)
+        # "degraded": ready, but a source that does not decide it is down (reported, not failed).
+        state = "ok" if all(v == "ok" for v in checks.values()) else "degraded" if ready else "unavailable"
+        return JSONResponse({"status": state, "checks": checks}, status_code=200 if ready else 503)
 
     @app.get("/metrics", tags=["health"], response_class=PlainTextResponse, responses=PROMETHEUS_TEXT)
     async def metrics() -> Response:
         return Response(generate_latest(container.metrics().registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _deciding_checks(asked: str | None, sources: Sequence[str]) -> set[str] | None:
+    """The checks that decide readiness: the default source's database and the bus; those of
+    the source ``asked`` instead; every one for ``all``; None when no source has that name."""
+    if asked == "all":
+        return {*map(_check_name, sources), "bus"}
+    if asked is None or asked in sources:
+        return {_check_name(asked or DEFAULT_SOURCE), "bus"}
+    return None
+
+
+def _check_name(source: str) -> str:
+    return "database" if source == DEFAULT_SOURCE else f"database:{source}"
 
 
 async def _check(probe: Callable[[], Awaitable[None]], within_seconds: float) -> str:

@@ -762,6 +762,21 @@ DATABASE_UNAVAILABLE = (
     "unreachable): nothing was changed, try again"
 )
 
+
+@dataclass(frozen=True)
+class ContextOfRoute:
+    """The bounded context a route belongs to and the source its database is: a route whose
+    database cannot be reached answers 503 naming them, so a partial outage (one context's
+    source down) reads as one, while the rest of the service answers."""
+
+    context: str
+    source: str
+
+    @property
+    def unavailable(self) -> str:
+        return f"the {self.context} context's database (source {self.source!r}) is unavailable"
+
+
 # A text field's pattern: no NUL (no database stores it alike; the edge refuses it, 422), so the
 # OpenAPI document says what the service accepts.
 STORABLE_TEXT = r"^[^\x00]*$"
@@ -788,7 +803,10 @@ WHY = {
         "or a non-finite number in a JSON body), or an Idempotency-Key already used for another "
         "request"
     ),
-    503: "The database did not answer in time (code database_unavailable): nothing was changed, try again",
+    503: (
+        "The database did not answer in time or cannot be reached (code database_unavailable; a "
+        "route of a context whose own source is down names it): nothing was changed, try again"
+    ),
 }
 
 
@@ -823,11 +841,14 @@ def install_error_handlers(app: FastAPI) -> None:
         """A statement past the statement timeout, no pooled connection in time, the database
         unreachable, or a conflict still there after ``uow.run``'s retries: the transaction was
         rolled back, so the caller may simply try again (not a 500 and a traceback)."""
-        if not (is_database_outage(error) or is_database_timeout(error) or is_transient(error)):
+        outage = is_database_outage(error)
+        if not (outage or is_database_timeout(error) or is_transient(error)):
             raise error  # a real fault: the server's 500 and its traceback in the log
         log.warning("%s %s: database unavailable: %s", request.method, request.url.path, type(error).__name__)
+        route = getattr(request.app.state, "context_by_endpoint", {}).get(request.scope.get("endpoint"))
+        detail = route.unavailable if outage and route is not None else DATABASE_UNAVAILABLE
         return JSONResponse(
-            {"detail": DATABASE_UNAVAILABLE, "code": "database_unavailable"},
+            {"detail": detail, "code": "database_unavailable"},
             status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
             headers={"Retry-After": "1"},
         )

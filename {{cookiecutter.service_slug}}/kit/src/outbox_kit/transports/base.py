@@ -526,6 +526,8 @@ class FastStreamTransport:
         await self.broker.stop()
 
     async def ping(self) -> None:
+        """FastStream's own: a real round trip for Redis (PING) and Kafka (a metadata request);
+        RabbitMQ and NATS override it (FastStream reads a flag of the client there)."""
         if not await self.broker.ping(timeout=2.0):
             msg = f"{self.label} did not answer"
             raise PingFailedError(msg)

@@ -93,7 +93,8 @@ class MessageBus(Protocol):
         ...
 
     async def ping(self) -> None:
-        """Raise unless the transport is reachable (used by /readyz)."""
+        """Raise unless the transport answers a round trip to the broker, not a flag of the client
+        (used by /readyz, which bounds the wait)."""
         ...
 
 

@@ -24,7 +24,14 @@ Declaring a stream only ever adds subjects. Services that share a namespace shar
 stream, and during a rolling deploy the old and the new version both declare it: replacing the
 subject list with our own would make the other side's publishes fail until it declares again.
 The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
-because two services can merge at the same moment."""
+because two services can merge at the same moment.
+
+Readiness (``ping``) asks the server itself: a JetStream account-info request, answered by the
+JetStream the transport relies on. FastStream's ``ping`` reads the client's ``is_connected``
+flag, which stays set on a line gone silent. Not ``flush()`` (PING/PONG) either: a flush that
+times out cancels its future, and the late PONG, once the line flows again, then kills the
+client's read loop (``InvalidStateError``), so the connection would never deliver again; a
+request that times out only forgets its reply."""
 
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ from outbox_kit.transports.base import (
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
+    PingFailedError,
     ReceivedMessage,
     as_text,
     dead_letter_headers,
@@ -282,6 +290,14 @@ class NatsTransport(FastStreamTransport):
 
     def is_outage(self, error: BaseException) -> bool:
         return isinstance(error, (ConnectionClosedError, NoServersError, ServiceUnavailableError))
+
+    async def ping(self) -> None:
+        """One round trip to the server (see the module): raises unless it answers; the caller
+        bounds the wait (``API__READINESS_TIMEOUT_SECONDS``)."""
+        if not self.broker.connection.is_connected:
+            msg = "NATS: not connected (connecting again)"
+            raise PingFailedError(msg)
+        await self._jetstream().account_info()
 
     async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(

@@ -15,7 +15,15 @@ confirmed and mandatory on a channel that raises on return: an unroutable messag
 RabbitMQ refuses to redeclare a queue with other arguments (``PRECONDITION_FAILED``), and the
 retry queue's TTL is a setting: changing ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS`` after the
 first deploy would stop the service at start-up with a bare channel error. The declaration turns
-that into one line naming the queue, the setting and the safe way out."""
+that into one line naming the queue, the setting and the safe way out.
+
+Readiness (``ping``) asks the broker itself: a passive declare of the service's exchange on a
+channel of the probe's own. FastStream's ``ping`` reads the client's ``connected`` flag, which
+stays set on a line gone silent (measured: ``bus: ok`` for three minutes of a black-holed
+connection, while nothing was delivered); aio-pika's robust channel answers a repeated passive
+declare from its cache, so the probe talks to the channel beneath it. A probe channel that failed
+is dropped (aiormq closes a channel whose call was cancelled) and the next probe opens another,
+so a failed probe never closes the channel FastStream publishes on."""
 
 from __future__ import annotations
 
@@ -47,6 +55,7 @@ from outbox_kit.transports.base import (
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
+    PingFailedError,
     ReceivedMessage,
     as_text,
     broker_count,
@@ -59,6 +68,7 @@ from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
     from aio_pika import RobustExchange
+    from aiormq.abc import AbstractChannel
     from opentelemetry.trace import TracerProvider
 
 
@@ -154,6 +164,7 @@ class RabbitTransport(FastStreamTransport):
         )
         self._exchange = RabbitExchange(names.exchange(), type=ExchangeType.TOPIC, durable=True)
         self._declared: RobustExchange | None = None  # resolved on the first publish
+        self._probe: AbstractChannel | None = None  # readiness's own channel (see the module)
 
     def _queues(self, consumer: Consumer[Any]) -> tuple[RabbitQueue, RabbitQueue, RabbitQueue]:
         main_name = self._names.queue(consumer.name)
@@ -282,8 +293,31 @@ class RabbitTransport(FastStreamTransport):
         self._declared = await self.broker.declare_exchange(self._exchange)
         return self._declared
 
+    async def ping(self) -> None:
+        """One round trip to the broker (see the module): raises unless it answers; the caller
+        bounds the wait (``API__READINESS_TIMEOUT_SECONDS``)."""
+        try:
+            channel = await self._probe_channel()
+            await channel.exchange_declare(exchange=self._exchange.name, passive=True)
+        except BaseException:
+            self._probe = None  # closed by aiormq or the broker: the next probe opens another
+            raise
+
+    async def _probe_channel(self) -> AbstractChannel:
+        connection = self.broker._connection  # noqa: SLF001 (FastStream keeps aio-pika's connection)
+        transport = connection.transport if connection is not None else None
+        if transport is None:
+            msg = "RabbitMQ: no connection (connecting again)"
+            raise PingFailedError(msg)
+        probe = self._probe
+        # A reconnect gives a new connection beneath aio-pika's: its channels are not the probe's.
+        if probe is None or probe.is_closed or probe.connection is not transport.connection:
+            probe = self._probe = await transport.connection.channel(publisher_confirms=False)
+        return probe
+
     async def close(self) -> None:
         self._declared = None  # a new connection has channels of its own
+        self._probe = None
         await super().close()
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
