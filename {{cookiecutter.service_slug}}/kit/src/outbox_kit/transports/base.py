@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.text import as_str, safe_text
+from outbox_kit.transports.bus import Unrouted
 from outbox_kit.transports.envelope import (
     LIMITS,
     MESSAGE_ID,
@@ -378,7 +379,9 @@ class BrokerTransport(Protocol):
 
     async def ping(self) -> None: ...
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None: ...
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """Publish, durably accepted; :class:`Unrouted` when no consumer was bound to take it."""
+        ...
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
