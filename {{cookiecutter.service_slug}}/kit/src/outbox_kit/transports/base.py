@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -431,6 +432,33 @@ def _raised_by_a_nats_fetch(error: BaseException) -> bool:
 
 
 BROKER_LOG.addFilter(FastStreamNoise())
+
+
+# How long a stream or subject seen with a consumer is taken to still have one: the check is a
+# round trip per publish, and consumers are rarely removed (a removed one shows within this).
+KNOWN_CONSUMER_SECONDS = 30.0
+
+
+class KnownConsumers:
+    """Where a consumer was seen lately, so a log-based broker (Redis Streams, JetStream) asks
+    whether anyone reads a destination only while nobody was seen there: an unrouted publish
+    costs one more round trip, a routed one none after the first."""
+
+    def __init__(self, seconds: float = KNOWN_CONSUMER_SECONDS) -> None:
+        self._seconds = seconds
+        self._seen: dict[str, float] = {}
+
+    async def unrouted(
+        self, destination: str, has_consumer: Callable[[], Awaitable[bool]], detail: str
+    ) -> Unrouted | None:
+        """:class:`Unrouted` with ``detail`` when ``has_consumer()`` finds nobody reading."""
+        now = time.monotonic()
+        if now - self._seen.get(destination, -self._seconds) < self._seconds:
+            return None
+        if await has_consumer():
+            self._seen[destination] = now
+            return None
+        return Unrouted(detail)
 
 
 class PingFailedError(ConnectionError):
