@@ -530,17 +530,30 @@ async def test_two_namespaces_on_one_broker_do_not_see_each_others_messages(
 
 
 @pytest.mark.rabbitmq
-async def test_an_unroutable_rabbitmq_publish_is_a_failure_not_a_silent_drop(start: Start) -> None:
+async def test_an_unroutable_rabbitmq_publish_is_kept_in_the_unrouted_queue_not_dropped(start: Start) -> None:
+    """NO_ROUTE (no queue bound for the event) is a delivery to nobody, not a failure and not a
+    silent drop: the publish answers Unrouted and a copy waits in ``<namespace>.unrouted``, with
+    where it was published to."""
+    import aio_pika
+    from outbox_kit.transports.bus import Unrouted
+
     container, _ = await start("rabbitmq")
     base = envelope(1)
     orphan = Envelope(base.message_id, "kit.nobody-listens.v1", base.occurred_on, base.body, base.context)
-    with pytest.raises(Exception, match="NO_ROUTE|delivery failed") as failure:
-        await container.bus().publish(orphan)
-    from outbox_kit.transports.bus import (
-        BrokerUnavailableError,
-    )
-
-    assert not isinstance(failure.value, BrokerUnavailableError)  # charged to the message, not an outage
+    bus = container.bus()
+    unrouted = await bus.publish(orphan)
+    assert isinstance(unrouted, Unrouted)
+    assert bus.names.unrouted() in unrouted.detail  # type: ignore[attr-defined]
+    connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+    async with connection:
+        channel = await connection.channel()
+        queue = await channel.get_queue(bus.names.unrouted(), ensure=False)  # type: ignore[attr-defined]
+        kept = await queue.get(timeout=5)
+        await kept.ack()
+    assert kept.body == orphan.body
+    assert kept.headers["x-message-id"] == orphan.message_id
+    assert kept.headers["x-unrouted-routing-key"] == bus.names.channel(orphan.event_name)  # type: ignore[attr-defined]
+    assert await bus.publish(envelope(2)) is None  # the kit's event has a queue bound: routed
 
 
 @pytest.mark.rabbitmq

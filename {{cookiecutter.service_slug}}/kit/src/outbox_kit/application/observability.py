@@ -260,6 +260,13 @@ DEFINITIONS: dict[str, tuple[type[Any], str, str, tuple[str, ...], dict[str, Any
     "dispatched": (Counter, "outbox_dispatched_total", "Rows delivered", ("source", "kind"), {}),
     "failures": (Counter, "outbox_failures_total", "Failed delivery attempts", SOURCE, {}),
     "dead_letters": (Counter, "outbox_dead_letters_total", "Rows dead-lettered", ("source", "reason"), {}),
+    "unrouted": (
+        Counter,
+        "outbox_unrouted_total",
+        "Rows published with no consumer bound (delivered to nobody, stamped processed)",
+        ("source", "event_name"),
+        {},
+    ),
     "lost_leases": (Counter, "outbox_lost_leases_total", "Rows another processor took over", SOURCE, {}),
     "heartbeat": (
         Gauge,
@@ -323,6 +330,7 @@ class RelayMetrics:
     dispatched: Counter
     failures: Counter
     dead_letters: Counter
+    unrouted: Counter
     lost_leases: Counter
     heartbeat: Gauge
     cleaned: Counter
@@ -352,6 +360,9 @@ class RelayMetrics:
 
     def dead_lettered(self, source: str, reason: str, count: int = 1) -> None:
         self.dead_letters.labels(source, reason).inc(count)
+
+    def unrouted_publish(self, source: str, event_name: str) -> None:
+        self.unrouted.labels(source, event_name).inc()
 
     def lost_lease(self, source: str) -> None:
         self.lost_leases.labels(source).inc()

@@ -5,10 +5,12 @@ The in-process transport: integration events delivered to this process's consume
 It needs no server, so it is the embedded default. Every consumer of the event runs through the
 same consume pipeline a broker delivery uses (signature, context restore, inbox); if one fails,
 the others still run and the publish raises, so the outbox row is retried (the inbox skips the
-consumers that already succeeded, when it is enabled). Each consumer's run is limited to
-``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``, as on a broker: one that hangs fails like any other
-and the next consumer still runs, before the delivery's own (longer) limit ends the publish; and
-without the outbox, the request that committed the event returns.
+consumers that already succeeded, when it is enabled). An event no consumer in the process
+takes is :class:`~outbox_kit.transports.bus.Unrouted`, as on a broker with nothing bound.
+Each consumer's run is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``, as on a broker:
+one that hangs fails like any other and the next consumer still runs, before the delivery's own
+(longer) limit ends the publish; and without the outbox, the request that committed the event
+returns.
 
 The raised :class:`ConsumerFailedError` is chained to a consumer's own error (``__cause__``): the
 processor reads the chain to tell a database outage, which it releases the row for uncharged,
@@ -38,7 +40,7 @@ from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerTransport, DeadLetterCopy
-from outbox_kit.transports.bus import BrokerUnavailableError
+from outbox_kit.transports.bus import BrokerUnavailableError, Unrouted
 from outbox_kit.transports.envelope import Envelope, Signer, cloud_event_headers
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings, Transport
 
@@ -85,14 +87,17 @@ class InProcessBus:
     async def ping(self) -> None:
         return None
 
-    async def publish(self, envelope: Envelope) -> None:
+    async def publish(self, envelope: Envelope) -> Unrouted | None:
         event_type = self._registry.names.get(envelope.event_name)
         if event_type is None:
             msg = f"no registered message is named {envelope.event_name!r}"
             raise UnknownMessageError(msg)
+        consumers = self._handlers.consumers_of(event_type)
+        if not consumers:
+            return Unrouted(f"no consumer of {envelope.event_name} in this process; nothing was delivered")
         headers = self._signer.sign(envelope.headers(), envelope.body)
         failures: dict[str, Exception] = {}
-        for consumer in self._handlers.consumers_of(event_type):
+        for consumer in consumers:
             try:
                 async with time_limit(self._handler_timeout, "handler"):
                     await self._pipeline.consume(consumer, headers, envelope.body)
@@ -104,6 +109,7 @@ class InProcessBus:
             cause = next((error for error in errors if is_database_outage(error)), errors[0])
             described = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures.items())
             raise ConsumerFailedError(described) from cause
+        return None
 
 
 OUTAGES = (ConnectionError, TimeoutError, OSError)
@@ -197,14 +203,14 @@ class FastStreamBus:
         (consumer,) = [c for c in self._consumers if c.name == consumer_name]
         return await self.transport.dead_letters(consumer, limit)
 
-    async def publish(self, envelope: Envelope) -> None:
+    async def publish(self, envelope: Envelope) -> Unrouted | None:
         headers = self._signer.sign(envelope.headers(), envelope.body)
         headers.update(
             cloud_event_headers(envelope, source=self._source, prefix=self.transport.cloud_events_prefix)
         )
         try:
             async with asyncio.timeout(self._settings.publish_timeout_seconds):
-                await self.transport.publish(envelope, headers)
+                return await self.transport.publish(envelope, headers)
         except Exception as error:
             if isinstance(error, OUTAGES) or self.transport.is_outage(error):
                 msg = f"{self.name} is unreachable: {type(error).__name__}: {error}"

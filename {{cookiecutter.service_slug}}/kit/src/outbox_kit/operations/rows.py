@@ -1,7 +1,8 @@
 """The rows an operator sees and touches: what a request may ask for and whose rows it sees
 (``TenantScope``), what it is answered with (never a payload), and explaining and replaying rows.
 
-Why one row is or is not moving: processed, dead-lettered, blocked behind a row of its key
+Why one row is or is not moving: processed, unrouted (published with no subscriber bound),
+dead-lettered, blocked behind a row of its key
 (an earlier one, or a later one still in flight ahead of a replayed head), leased, paused,
 backing off, delayed, or eligible now.
 
@@ -31,6 +32,7 @@ from outbox_kit.persistence.tables import (
     DEFAULT_SOURCE,
     PAUSED_PREFIX,
     POLLED_TABLES,
+    UNROUTED_PREFIX,
     PolledTable,
     qualified_name,
 )
@@ -281,6 +283,11 @@ def _blocker_named(blocker: Any, scope: TenantScope) -> str | None:  # noqa: ANN
 
 def _diagnose(row: Any, blocker: str | None, now: datetime) -> tuple[str, str]:  # noqa: ANN401, PLR0911
     if row.processed_on is not None:
+        if (row.last_error or "").startswith(UNROUTED_PREFIX):
+            return "unrouted", (
+                f"published with no subscriber bound (unrouted) at {row.processed_on.isoformat()}, "
+                f"so marked processed: {row.last_error.removeprefix(UNROUTED_PREFIX)}"
+            )
         return "processed", f"processed at {row.processed_on.isoformat()}"
     if row.dead_lettered_on is not None:
         return "dead_lettered", (

@@ -238,6 +238,10 @@ MAX_ERROR_LENGTH = 4000
 # ``explain`` reports it as paused, not as backing off after a failure of its own.
 PAUSED_PREFIX = "paused, not charged: "
 
+# ``last_error`` of a row published with no consumer bound (stamped processed all the same):
+# ``explain`` reports it as unrouted, not as a plain delivery.
+UNROUTED_PREFIX = "unrouted: "
+
 RETRIES_EXHAUSTED = "retries_exhausted"
 
 TYPE_UNRESOLVABLE = "type_unresolvable"
@@ -289,6 +293,24 @@ class LeaseStore:
         )
         result = await connection.execute(statement)
         return {row[0] for row in result}
+
+    async def stamp_unrouted(
+        self, connection: AsyncConnection, row_id: uuid.UUID, token: uuid.UUID, now: datetime, note: str
+    ) -> bool:
+        """Mark a row delivered to nobody (published, no consumer bound) with ``note`` in
+        ``last_error`` (prefixed :data:`UNROUTED_PREFIX`); False when it was no longer ours."""
+        statement = (
+            sa.update(self.table)
+            .where(self._ours([row_id], token))
+            .values(
+                processed_on=now,
+                locked_until=None,
+                lock_token=None,
+                last_error=storable(f"{UNROUTED_PREFIX}{note}", MAX_ERROR_LENGTH),
+            )
+            .returning(self._c.id)
+        )
+        return (await connection.execute(statement)).first() is not None
 
     async def stamped_at(
         self, connection: AsyncConnection, ids: Collection[uuid.UUID], now: datetime

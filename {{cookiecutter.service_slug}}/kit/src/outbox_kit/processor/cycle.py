@@ -54,7 +54,7 @@ from outbox_kit.persistence.tables import LeaseLostError, LeaseStore, lease_unti
 from outbox_kit.processor.claim import ClaimedRow, Claimer, DeliverySlot
 from outbox_kit.processor.outcomes import Outcomes
 from outbox_kit.processor.processor import CycleResult, Deliverer, SourceSettings
-from outbox_kit.transports.bus import Delivered, PausedError
+from outbox_kit.transports.bus import Delivered, PausedError, Unrouted
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -356,6 +356,8 @@ class TableSource:
             else:
                 await write(self.outcomes.fail(row, token, error))
             return False
+        if isinstance(delivered, Unrouted):
+            return await write(self.outcomes.stamp_unrouted(row, token, delivered.detail))
         if delivered is Delivered.NEEDS_STAMP:
             if slot is not None:
                 slot.free()  # the next row may publish while this one waits for its stamp group

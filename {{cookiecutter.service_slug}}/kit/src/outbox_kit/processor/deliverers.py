@@ -12,7 +12,8 @@ What the outbox processor does with one claimed row.
   it does not handle leaves them to the host that does). An event declared
   ``handlers.record_only(...)`` is stamped quietly: it has no handler by design.
 * Integration-event rows: published through the message bus behind the circuit breaker; the
-  processed stamp is written only after the transport confirmed the publish.
+  processed stamp is written only after the transport confirmed the publish. A publish no
+  consumer was bound to take comes back :class:`Unrouted`: a delivery to nobody, stamped too.
 
 Internal commands: deferred instructions to this service itself.
 
@@ -37,7 +38,7 @@ from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
-from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus
+from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus, Unrouted
 from outbox_kit.transports.envelope import Envelope
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class OutboxDeliverer:
         """A publish is a producer span; a local delivery stays inside this service."""
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
         message = self._registry.load(row.name, row.payload)
         context = row.captured_context()
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
@@ -92,12 +93,12 @@ class OutboxDeliverer:
                 ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
             )
 
-            async def publish() -> None:
-                await self._bus.publish(envelope)
+            async def publish() -> Unrouted | None:
+                return await self._bus.publish(envelope)
 
             async with limit():
-                await self._breaker.call(publish)
-            return Delivered.NEEDS_STAMP
+                unrouted = await self._breaker.call(publish)
+            return unrouted or Delivered.NEEDS_STAMP
 
     def _warn_no_handler(self, event_name: str) -> None:
         if event_name in self._warned:

@@ -45,6 +45,8 @@ The outcome of each row, written as soon as the row finishes, guarded by id and 
 
 * delivered: stamped processed (unless the handler's own transaction already did), together
   with the stamps of the rows that finished meanwhile (:class:`StampGroups`);
+* unrouted (published with no consumer bound): stamped processed on its own, with the note
+  ``explain`` reads, counted, and one Warning per event name per window;
 * failed: ``retry_count + 1`` and ``last_error`` (see :func:`classify`); re-leased for the jittered
   backoff, or dead-lettered with an Error log naming the row;
 * paused (the downstream or the database is down): released without charging a retry;
@@ -105,6 +107,7 @@ def classify(row: ClaimedRow, error: BaseException, max_retries: int) -> tuple[i
 
 log = logging.getLogger(__name__)
 LINGER_SECONDS = 0.05
+UNROUTED_WARNING_WINDOW = timedelta(hours=1)
 RETRY_DELAYS_SECONDS = (0.1, 0.5)
 
 
@@ -253,6 +256,7 @@ class Outcomes:
         self._rng = rng
         group_rows = min(settings.batch_size, settings.delivery_concurrency)
         self.stamps = StampGroups(database=database, leases=leases, clock=clock, group_rows=group_rows)
+        self._unrouted_warned: dict[str, datetime] = {}  # event name -> when it was last warned
 
     def lease_is_short(self, row: ClaimedRow) -> bool:
         """What is left of the lease (by this process's clock) might not outlast a delivery
@@ -274,6 +278,35 @@ class Outcomes:
         else:
             self.lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
         return bool(stamped)
+
+    async def stamp_unrouted(self, row: ClaimedRow, token: uuid.UUID, detail: str) -> bool:
+        """Stamp a row published with no consumer bound: processed (a delivery to nobody, never
+        retried or dead-lettered, its key moves on), ``detail`` noted on it for ``explain``,
+        counted, and a Warning once per event name per :data:`UNROUTED_WARNING_WINDOW`."""
+        async with self._db.bookkeeping_statement() as connection:
+            stamped = await self._leases.stamp_unrouted(connection, row.id, token, self._clock(), detail)
+        if not stamped:
+            self.lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
+            return False
+        self.delivered(row)
+        self._metrics.unrouted_publish(self._name, row.name)
+        self._warn_unrouted(row, detail)
+        return True
+
+    def _warn_unrouted(self, row: ClaimedRow, detail: str) -> None:
+        # One line per event name per window, not per message: a busy contract with no consumer
+        # would flood the log; the metric counts every one.
+        now = self._clock()
+        last = self._unrouted_warned.get(row.name)
+        if last is not None and now - last < UNROUTED_WARNING_WINDOW:
+            return
+        self._unrouted_warned[row.name] = now
+        log.warning(
+            "%s row %s (%s) published with no consumer bound (unrouted): %s. It is marked processed, "
+            "not retried; consumers that bind later get the events published from then on. "
+            "Counted in outbox_unrouted_total; this warning repeats at most every %s per event.",
+            *(self._name, row.id, row.name, detail, UNROUTED_WARNING_WINDOW),
+        )
 
     def delivered(self, row: ClaimedRow) -> None:
         lag = (self._clock() - row.occurred_on).total_seconds()

@@ -42,14 +42,15 @@ from outbox_kit.application.observability import Clock, SpanKind, TimeLimit
 from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.settings import OutboxSettings
-from outbox_kit.transports.bus import Delivered
+from outbox_kit.transports.bus import Delivered, Unrouted
 
 
 class Deliverer(Protocol):
     """Delivers one claimed row (raises on failure)."""
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
         """Deliver ``row``; ``token`` is its lease, for a stamp written in the same transaction.
+        :class:`Unrouted`: published with no consumer bound (stamped processed, with a note).
 
         ``limit`` is the delivery's time limit: put it around the handlers or the publish, not
         around the commit that stamps the row (once stamped, a delivery must not fail)."""

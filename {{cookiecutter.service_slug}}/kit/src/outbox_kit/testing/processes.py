@@ -125,7 +125,7 @@ from outbox_kit.testing.harness import (
     record_effect,
     register_kit,
 )
-from outbox_kit.transports.bus import Delivered
+from outbox_kit.transports.bus import Delivered, Unrouted
 from outbox_kit.transports.envelope import (
     Envelope,
 )
@@ -868,8 +868,10 @@ class Faults:
         self.published = 0
         self.after_publish = args.after_publish_seconds
 
-    def wrap(self, deliver: Callable[[ClaimedRow, uuid.UUID, TimeLimit], Awaitable[Delivered]]) -> Any:
-        async def faulty(row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+    def wrap(
+        self, deliver: Callable[[ClaimedRow, uuid.UUID, TimeLimit], Awaitable[Delivered | Unrouted]]
+    ) -> Any:
+        async def faulty(row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
             poisoned = self.poison_file is not None and self.poison_file.exists()
             if poisoned and row.payload.get("value") == RELAY_POISON:
                 msg = "poison event (the bug a later deploy fixes)"

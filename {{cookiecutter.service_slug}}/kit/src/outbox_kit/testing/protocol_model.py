@@ -156,6 +156,7 @@ from outbox_kit.testing.harness import FakeClock
 from outbox_kit.transports.bus import (
     Delivered,
     MessageBus,
+    Unrouted,
 )
 from outbox_kit.transports.envelope import (
     Envelope,
@@ -246,9 +247,9 @@ class RecordingBus:
     async def ping(self) -> None:
         await self._inner.ping()
 
-    async def publish(self, envelope: Envelope) -> None:
+    async def publish(self, envelope: Envelope) -> Unrouted | None:
         self.sent[envelope.message_id] = envelope
-        await self._inner.publish(envelope)
+        return await self._inner.publish(envelope)
 
 
 class Verdict(Enum):
@@ -283,7 +284,7 @@ class GatedDeliverer:
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         return self._inner.span_kind(row)
 
-    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
+    async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
         verdict: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
         self.held = Held(row, token, verdict)
         self.arrived.set()

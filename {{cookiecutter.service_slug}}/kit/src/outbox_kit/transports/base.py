@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.text import as_str, safe_text
+from outbox_kit.transports.bus import Unrouted
 from outbox_kit.transports.envelope import (
     LIMITS,
     MESSAGE_ID,
@@ -378,7 +380,9 @@ class BrokerTransport(Protocol):
 
     async def ping(self) -> None: ...
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None: ...
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """Publish, durably accepted; :class:`Unrouted` when no consumer was bound to take it."""
+        ...
 
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
@@ -428,6 +432,33 @@ def _raised_by_a_nats_fetch(error: BaseException) -> bool:
 
 
 BROKER_LOG.addFilter(FastStreamNoise())
+
+
+# How long a stream or subject seen with a consumer is taken to still have one: the check is a
+# round trip per publish, and consumers are rarely removed (a removed one shows within this).
+KNOWN_CONSUMER_SECONDS = 30.0
+
+
+class KnownConsumers:
+    """Where a consumer was seen lately, so a log-based broker (Redis Streams, JetStream) asks
+    whether anyone reads a destination only while nobody was seen there: an unrouted publish
+    costs one more round trip, a routed one none after the first."""
+
+    def __init__(self, seconds: float = KNOWN_CONSUMER_SECONDS) -> None:
+        self._seconds = seconds
+        self._seen: dict[str, float] = {}
+
+    async def unrouted(
+        self, destination: str, has_consumer: Callable[[], Awaitable[bool]], detail: str
+    ) -> Unrouted | None:
+        """:class:`Unrouted` with ``detail`` when ``has_consumer()`` finds nobody reading."""
+        now = time.monotonic()
+        if now - self._seen.get(destination, -self._seconds) < self._seconds:
+            return None
+        if await has_consumer():
+            self._seen[destination] = now
+            return None
+        return Unrouted(detail)
 
 
 class PingFailedError(ConnectionError):

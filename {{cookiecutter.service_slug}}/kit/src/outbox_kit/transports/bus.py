@@ -19,9 +19,10 @@ never recorded as one of the row's retries: the row is released until the breake
 (charging outages would dead-letter healthy messages during any outage longer than the retries).
 After ``failure_threshold`` consecutive outages the circuit opens for ``reset_seconds`` and no
 publish is attempted; then one trial is let through (half-open): success closes it, an outage
-opens it again. A message-level failure (an unroutable message, a consumer error on the
+opens it again. A message-level failure (a refused message, a consumer error on the
 in-process bus) passes through unchanged and is retried and dead-lettered as usual; it also
-proves the broker is reachable, so it closes a half-open circuit.
+proves the broker is reachable, so it closes a half-open circuit. An unrouted publish (no
+consumer bound yet) is no failure at all: it is a delivery to nobody (:class:`Unrouted`).
 
 Publishing integration events without the outbox (in-process transport, outbox off).
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
 from typing import Protocol, TypeVar
@@ -50,6 +52,20 @@ class Delivered(Enum):
 
     NEEDS_STAMP = "needs_stamp"  # e.g. a broker confirmed the publish
     STAMPED = "stamped"  # the handler's unit of work stamped it in its own transaction
+
+
+@dataclass(frozen=True)
+class Unrouted:
+    """A publish the broker accepted although no consumer was bound to take it: a delivery to
+    nobody. It succeeded (the publisher's contract exists before its first consumer), so the row
+    is stamped processed, never retried or dead-lettered, and its ordering key moves on; the
+    outbox records ``detail`` on the row (``explain`` says it), counts it and warns.
+
+    ``detail`` says where the message went: kept where an operator can find it (RabbitMQ's
+    ``<namespace>.unrouted`` queue), or kept in the stream or topic for the consumer that binds
+    first (nothing lost), or nowhere (the in-process transport)."""
+
+    detail: str
 
 
 class PausedError(RuntimeError):
@@ -88,8 +104,11 @@ class MessageBus(Protocol):
         """Stop consuming and disconnect."""
         ...
 
-    async def publish(self, envelope: Envelope) -> None:
-        """Hand one message to the transport; return only once it is durably accepted."""
+    async def publish(self, envelope: Envelope) -> Unrouted | None:
+        """Hand one message to the transport; return only once it is durably accepted.
+
+        :class:`Unrouted` when it was accepted with no consumer bound to take it (see there);
+        None when it was routed to a consumer (or the transport cannot tell)."""
         ...
 
     async def ping(self) -> None:

@@ -55,6 +55,7 @@ from outbox_kit.transports.base import (
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
+    KnownConsumers,
     PingFailedError,
     ReceivedMessage,
     as_text,
@@ -62,6 +63,7 @@ from outbox_kit.transports.base import (
     publish_copy,
     the_message,
 )
+from outbox_kit.transports.bus import Unrouted
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
@@ -202,6 +204,24 @@ async def refresh_consumer(js: Any, stream: str, durable: str, max_delivery_atte
         await js.add_consumer(stream, config=info.config)
 
 
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` is one token, a final ``>`` one or more."""
+    wanted, parts = pattern.split("."), subject.split(".")
+    for index, part in enumerate(wanted):
+        if part == ">":
+            return len(parts) > index
+        if index >= len(parts) or part not in ("*", parts[index]):
+            return False
+    return len(wanted) == len(parts)
+
+
+def reads(config: Any, subject: str) -> bool:  # noqa: ANN401 (nats' ConsumerConfig)
+    """True when a JetStream consumer with ``config`` is given messages published on ``subject``
+    (no filter: every subject of its stream)."""
+    filters = [f for f in [config.filter_subject, *(getattr(config, "filter_subjects", None) or [])] if f]
+    return not filters or any(subject_matches(f, subject) for f in filters)
+
+
 class NatsTransport(FastStreamTransport):
     label = "NATS"
     metrics_middleware = NatsPrometheusMiddleware
@@ -216,6 +236,7 @@ class NatsTransport(FastStreamTransport):
         self._events = names.stream("events")
         self._dead_letters = names.stream("dead_letters")
         self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})
+        self._known = KnownConsumers()
 
     def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
         subject = self._names.channel(consumer.event_type.message_name)
@@ -299,14 +320,25 @@ class NatsTransport(FastStreamTransport):
             raise PingFailedError(msg)
         await self._jetstream().account_info()
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """A JetStream publish (acknowledged by the stream); :class:`Unrouted` when no consumer
+        of the stream filters the subject yet (the message stays in the stream, and a durable
+        consumer created later reads it from the stream's start)."""
+        subject = self._names.channel(envelope.event_name)
         await self.broker.publish(
             envelope.body,
-            self._names.channel(envelope.event_name),
+            subject,
             headers=headers | {"Nats-Msg-Id": envelope.message_id},
             stream=self._events,
             timeout=self._settings.publish_timeout_seconds,
         )
+
+        async def has_consumer() -> bool:
+            consumers = await self._jetstream().consumers_info(self._events)
+            return any(reads(info.config, subject) for info in consumers)
+
+        detail = f"no consumer of stream {self._events} reads subject {subject} yet; the message stays there"
+        return await self._known.unrouted(subject, has_consumer, detail)
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
         from faststream.nats.opentelemetry import NatsTelemetryMiddleware  # noqa: PLC0415

@@ -10,7 +10,13 @@ quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
 (``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``) dead-letters them back to the main queue; final
 failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
 ``x-delivery-count``, which a quorum queue adds after a crash). Publishes are persistent,
-confirmed and mandatory on a channel that raises on return: an unroutable message is a failure.
+confirmed and mandatory on a channel that raises on return. A publish no consumer queue is bound
+for comes back ``NO_ROUTE``: it is no failure but a delivery to nobody (an event published before
+its first consumer exists), so a copy is kept in ``<namespace>.unrouted`` for an operator to read
+or shovel, and the publish answers :class:`~outbox_kit.transports.bus.Unrouted`. Detecting it by
+the return, rather than by an alternate exchange on ``<namespace>.events``, keeps the exchange's
+arguments as every deployed service declared them (RabbitMQ refuses a redeclaration with other
+arguments) and tells the outbox which rows went nowhere.
 
 RabbitMQ refuses to redeclare a queue with other arguments (``PRECONDITION_FAILED``), and the
 retry queue's TTL is a setting: changing ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS`` after the
@@ -38,6 +44,7 @@ from aiormq.exceptions import (
     ChannelInvalidStateError,
     ChannelPreconditionFailed,
     ConnectionClosed,
+    PublishError,
 )
 from faststream import AckPolicy
 from faststream.rabbit import ExchangeType, QueueType, RabbitBroker, RabbitExchange, RabbitQueue
@@ -63,6 +70,7 @@ from outbox_kit.transports.base import (
     publish_copy,
     the_message,
 )
+from outbox_kit.transports.bus import Unrouted
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
@@ -76,6 +84,7 @@ DEFAULT_FRAME_MAX = 131_072  # RabbitMQ's, when the connection's negotiated valu
 # Room in the content-header frame for what is not the header table: the frame's own fields and
 # the other properties (content type, message id, delivery mode, ...).
 PROPERTIES_ROOM = 1024
+NO_ROUTE = 312  # Basic.Return's reply code: no queue is bound for the routing key
 
 
 def table_size(headers: Mapping[str, str]) -> int:
@@ -146,6 +155,11 @@ class RabbitDelivery(ReceivedMessage):
         await self._message.ack()
 
 
+def is_no_route(error: PublishError) -> bool:
+    """The broker returned the message because nothing is bound for it (not a refusal of it)."""
+    return getattr(getattr(error.message, "delivery", None), "reply_code", None) == NO_ROUTE
+
+
 class TopologyMismatchError(RuntimeError):
     """A queue exists on the broker with arguments other than the ones the settings give."""
 
@@ -196,8 +210,12 @@ class RabbitTransport(FastStreamTransport):
         async def on_message(message: RabbitMessage) -> None:
             await handler(RabbitDelivery(message, broker, main.name, dlq.name, publish_timeout=timeout))
 
+    def _unrouted_queue(self) -> RabbitQueue:
+        return RabbitQueue(self._names.unrouted(), durable=True)
+
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         exchange = await self.broker.declare_exchange(self._exchange)
+        await self._declare_queue(self._unrouted_queue())
         for consumer in consumers:
             main, retry, dlq = self._queues(consumer)
             for queue in (retry, dlq):
@@ -225,6 +243,8 @@ class RabbitTransport(FastStreamTransport):
             for queue in self._queues(consumer):
                 declared = await self.broker.declare_queue(queue)
                 await declared.delete(if_unused=False, if_empty=False)
+        unrouted = await self.broker.declare_queue(self._unrouted_queue())
+        await unrouted.delete(if_unused=False, if_empty=False)
         exchange = await self.broker.declare_exchange(self._exchange)
         await exchange.delete(if_unused=False)
 
@@ -246,7 +266,7 @@ class RabbitTransport(FastStreamTransport):
         # to the broker is cut mid-publish. Nothing else in a publish raises one.
         return type(error) is Exception and not error.args
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
         """A persistent, mandatory, confirmed publish on FastStream's channel, to the exchange
         FastStream declared, resolved once: beneath the broker's ``publish`` (its command, its
         per-publish middlewares and exchange lookup were a tenth of the relay's CPU per row), so
@@ -266,7 +286,7 @@ class RabbitTransport(FastStreamTransport):
                 content_type="application/json",
                 timeout=self._settings.publish_timeout_seconds,
             )
-            return
+            return None
         exchange = self._declared or await self._resolve_exchange()
         message = aio_pika.Message(
             envelope.body,
@@ -277,17 +297,51 @@ class RabbitTransport(FastStreamTransport):
             correlation_id=envelope.message_id,
             timestamp=datetime.now(UTC),
         )
-        started, error = time.perf_counter(), None
+        started, returned = time.perf_counter(), False
+        error: Exception | None = None
         try:
             await exchange.publish(
                 message, routing_key, mandatory=True, timeout=self._settings.publish_timeout_seconds
             )
+        except PublishError as failed:
+            if not is_no_route(failed):
+                error = failed
+                raise
+            returned = True
         except Exception as failed:
             error = failed
             raise
         finally:
             seconds = time.perf_counter() - started
             self.count_published("rabbitmq", f"{self._exchange.name}.{routing_key}", seconds, error)
+        return await self._keep_unrouted(envelope, headers, routing_key) if returned else None
+
+    async def _keep_unrouted(self, envelope: Envelope, headers: dict[str, str], routing_key: str) -> Unrouted:
+        """Keep a copy of a message no queue was bound for in ``<namespace>.unrouted`` (declared
+        again first: cheap, and an operator may have deleted it), with where it was published to."""
+        queue = self._unrouted_queue()
+        nowhere = f"no queue is bound for routing key {routing_key} on exchange {self._exchange.name}"
+        try:
+            await self.broker.declare_queue(queue)
+            await self.broker.publish(
+                envelope.body,
+                queue=queue,
+                headers={
+                    **headers,
+                    "x-unrouted-exchange": self._exchange.name,
+                    "x-unrouted-routing-key": routing_key,
+                },
+                persist=True,
+                mandatory=True,
+                content_type="application/json",
+                message_id=envelope.message_id,
+                timeout=self._settings.publish_timeout_seconds,
+            )
+        except PublishError as failed:
+            if not is_no_route(failed):
+                raise
+            return Unrouted(f"{nowhere}; not kept: queue {queue.name} is missing too")
+        return Unrouted(f"{nowhere}; a copy is kept in queue {queue.name}")
 
     async def _resolve_exchange(self) -> RobustExchange:
         self._declared = await self.broker.declare_exchange(self._exchange)

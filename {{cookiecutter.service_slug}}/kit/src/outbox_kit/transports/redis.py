@@ -38,6 +38,7 @@ size; ASCII headers encode exactly as before, so old and new processes read each
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -66,6 +67,7 @@ from outbox_kit.transports.base import (
     DeadLetterCopy,
     DeliveryHandler,
     FastStreamTransport,
+    KnownConsumers,
     ReceivedMessage,
     as_text,
     dead_letter_headers,
@@ -73,6 +75,7 @@ from outbox_kit.transports.base import (
     publish_copy,
     the_message,
 )
+from outbox_kit.transports.bus import Unrouted
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
@@ -180,6 +183,7 @@ class RedisTransport(FastStreamTransport):
         )
         self._member = re.sub(r"[^A-Za-z0-9_.:-]", "-", f"{socket.gethostname()}-{os.getpid()}")
         self._in_flight: set[tuple[str, str, str]] = set()
+        self._known = KnownConsumers()
 
     def _stream(self, consumer: Consumer[Any]) -> str:
         return self._names.channel(consumer.event_type.message_name)
@@ -261,10 +265,21 @@ class RedisTransport(FastStreamTransport):
     def is_outage(self, error: BaseException) -> bool:
         return isinstance(error, (RedisConnectionError, RedisTimeoutError))
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
-        await self.broker.publish(
-            envelope.body, stream=self._names.channel(envelope.event_name), headers=headers
-        )
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """XADD; :class:`Unrouted` when no consumer group reads the stream yet (the entry stays in
+        the stream: a group created later, at id 0, reads it)."""
+        stream = self._names.channel(envelope.event_name)
+        await self.broker.publish(envelope.body, stream=stream, headers=headers)
+        client = self.broker.config.connection.client
+
+        async def has_group() -> bool:
+            groups = client.xinfo_groups(stream)
+            # FastStream's TestRedisBroker swaps the client for a mock that routes in memory:
+            # there is no stream to ask about, and the test broker delivers to its subscribers.
+            return not inspect.isawaitable(groups) or bool(await groups)
+
+        detail = f"no consumer group reads stream {stream} yet; the entry stays there for the first group"
+        return await self._known.unrouted(stream, has_group, detail)
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
         from faststream.redis.opentelemetry import RedisTelemetryMiddleware  # noqa: PLC0415

@@ -124,6 +124,10 @@ class EndpointNames:
         """The RabbitMQ topic exchange every event of this service is published to."""
         return self._prefixed("events")
 
+    def unrouted(self) -> str:
+        """The RabbitMQ queue that keeps what was published with no consumer queue bound."""
+        return self._prefixed("unrouted")
+
     def queue(self, consumer: str) -> str:
         """The durable queue / consumer group / durable consumer of one consumer."""
         return self._prefixed(f"consumer.{consumer}")
