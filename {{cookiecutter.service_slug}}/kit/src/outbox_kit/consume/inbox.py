@@ -83,7 +83,14 @@ from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import INBOX_TABLE, upsert
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
-from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
+from outbox_kit.transports.envelope import (
+    MESSAGE_AUTHENTICATION,
+    Envelope,
+    RejectedMessageError,
+    Rejection,
+    Signer,
+    read_envelope,
+)
 
 
 @dataclass(frozen=True)
@@ -151,7 +158,6 @@ def decode(registry: MessageRegistry, consumer: Consumer[Any], event_name: str, 
 
 
 log = logging.getLogger(__name__)
-MESSAGE_AUTHENTICATION = "message"
 INBOX = INBOX_TABLE
 RECEIPT_ATTEMPTS = 2
 

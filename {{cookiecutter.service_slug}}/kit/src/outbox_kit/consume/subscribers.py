@@ -38,7 +38,12 @@ handler runs):
   destination is gone, the broker is down), the message goes back through
   the transport's retry step (counted, so the guard above dead-letters it once the destination
   takes copies again); if even that fails the connection is gone, and the broker redelivers on
-  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer)."""
+  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer).
+
+Every line logged about a message, from its ``received`` to its ``processed``, carries the
+correlation id and tenant its headers claim (read, not yet verified: for the logs only), so a
+worker's lines can be followed from the API's; FastStream's own per-message lines, logged
+outside it with the worker's context, are kept out (``transports.base``)."""
 
 from __future__ import annotations
 
@@ -55,7 +60,7 @@ from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerDelivery
-from outbox_kit.transports.envelope import RejectedMessageError
+from outbox_kit.transports.envelope import RejectedMessageError, claimed_context
 from outbox_kit.transports.settings import MessageBusSettings
 
 log = logging.getLogger(__name__)
@@ -157,17 +162,24 @@ class ConsumeWrapper:
 
     def handler_for(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401 (what a transport subscribes)
         async def handle(delivery: BrokerDelivery) -> None:
-            attempt: int | None = None
-            try:
-                attempt = await delivery.attempt()
-                await self._handle(consumer, delivery, attempt)
-            except RejectedMessageError as rejected:  # the counters were unreadable
-                self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
-                await self._end(consumer, delivery, rejected, attempt)
-            except Exception as error:  # noqa: BLE001 (the last resort: see the module)
-                await self._end(consumer, delivery, error, attempt)
+            # Every line about the message carries its correlation id and tenant (see the module).
+            with claimed_context(delivery.headers):
+                log.info("%s: received message %s", consumer.name, delivery.message_id)
+                await self._handle_to_the_end(consumer, delivery)
+                log.info("%s: processed message %s", consumer.name, delivery.message_id)
 
         return handle
+
+    async def _handle_to_the_end(self, consumer: Consumer[Any], delivery: BrokerDelivery) -> None:
+        attempt: int | None = None
+        try:
+            attempt = await delivery.attempt()
+            await self._handle(consumer, delivery, attempt)
+        except RejectedMessageError as rejected:  # the counters were unreadable
+            self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+            await self._end(consumer, delivery, rejected, attempt)
+        except Exception as error:  # noqa: BLE001 (the last resort: see the module)
+            await self._end(consumer, delivery, error, attempt)
 
     async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> None:
         if attempt > self._settings.max_delivery_attempts:
