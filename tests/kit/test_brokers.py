@@ -127,6 +127,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         database_url: str | None = None,
         tracing: Tracing | None = None,
         message_bus: dict[str, Any] | None = None,
+        observer: Observer | None = None,
     ) -> tuple[OutboxContainer, Observer]:
         home = tmp_path / f"service-{len(running)}"
         home.mkdir()
@@ -147,7 +148,7 @@ async def start(tmp_path: Path, sqlite_template: Path) -> AsyncIterator[Start]:
         if tracing is not None:
             container.tracing.override(providers.Object(tracing))
         await install_kit(container)
-        observer = Observer(failures_left=failures)
+        observer = observer or Observer(failures_left=failures)
         container.handlers().consume(CONSUMER, CounterChangedV1, observer)
         await container.bus().start()
         await container.worker().start()

@@ -7,7 +7,8 @@ same consume pipeline a broker delivery uses (signature, context restore, inbox)
 the others still run and the publish raises, so the outbox row is retried (the inbox skips the
 consumers that already succeeded, when it is enabled). An event no consumer in the process
 takes is :class:`~outbox_kit.transports.bus.Unrouted`, as on a broker with nothing bound.
-Each consumer's run is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``, as on a broker:
+Each consumer's handler is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` (the pipeline's
+limit, as on a broker; never its commit):
 one that hangs fails like any other and the next consumer still runs, before the delivery's own
 (longer) limit ends the publish; and without the outbox, the request that committed the event
 returns.
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import MessageRegistry, UnknownMessageError
-from outbox_kit.application.observability import RelayMetrics, time_limit
+from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.persistence.database import is_database_outage
@@ -67,10 +68,8 @@ class InProcessBus:
         registry: MessageRegistry,
         pipeline: ConsumePipeline,
         signer: Signer,
-        handler_timeout_seconds: float,
     ) -> None:
         self._handlers = handlers
-        self._handler_timeout = handler_timeout_seconds
         self._registry = registry
         self._pipeline = pipeline
         self._signer = signer
@@ -99,8 +98,7 @@ class InProcessBus:
         failures: dict[str, Exception] = {}
         for consumer in consumers:
             try:
-                async with time_limit(self._handler_timeout, "handler"):
-                    await self._pipeline.consume(consumer, headers, envelope.body)
+                await self._pipeline.consume(consumer, headers, envelope.body)
             except Exception as error:  # noqa: BLE001 (reported together below)
                 log.warning("consumer %s failed on %s: %r", consumer.name, envelope.message_id, error)
                 failures[consumer.name] = error

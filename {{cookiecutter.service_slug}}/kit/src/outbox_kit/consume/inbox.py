@@ -43,7 +43,13 @@ together -> acknowledge.
   not mistaken for a duplicate; the exception propagates and the transport redelivers (bounded)
   then dead-letters.
 
-The handler runs under the runtime guard: it must not commit; the pipeline does."""
+The handler runs under the runtime guard: it must not commit; the pipeline does.
+
+The handler's time limit (``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``) covers the handler, never the
+commit: past it the handler is cancelled, its unit of work rolls back and the run fails with
+``TimeLimitExceededError`` (redelivered, then dead-lettered). The commit, and the in-process
+dispatch of the domain events it wrote (under the delivery's own limits), run unlimited by it: a
+message whose inbox row committed is never failed, so never dead-lettered, by a limit."""
 
 from __future__ import annotations
 
@@ -65,12 +71,26 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from outbox_kit.application.context import current_context, restored
 from outbox_kit.application.handlers import Consumer, handler_name
 from outbox_kit.application.messages import MalformedPayloadError, MessageRegistry, UnknownMessageError
-from outbox_kit.application.observability import Clock, NoTracing, RelayMetrics, SpanKind, Tracing
+from outbox_kit.application.observability import (
+    Clock,
+    NoTracing,
+    RelayMetrics,
+    SpanKind,
+    Tracing,
+    time_limit,
+)
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import INBOX_TABLE, upsert
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
-from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer, read_envelope
+from outbox_kit.transports.envelope import (
+    MESSAGE_AUTHENTICATION,
+    Envelope,
+    RejectedMessageError,
+    Rejection,
+    Signer,
+    read_envelope,
+)
 
 
 @dataclass(frozen=True)
@@ -138,7 +158,6 @@ def decode(registry: MessageRegistry, consumer: Consumer[Any], event_name: str, 
 
 
 log = logging.getLogger(__name__)
-MESSAGE_AUTHENTICATION = "message"
 INBOX = INBOX_TABLE
 RECEIPT_ATTEMPTS = 2
 
@@ -160,6 +179,7 @@ class ConsumePipeline:
         inbox_enabled: bool,
         metrics: RelayMetrics,
         clock: Clock,
+        handler_timeout_seconds: float,
         inbox_retention_days: int = 0,
         max_header_bytes: int = 4096,
         tracing: Tracing | None = None,
@@ -168,6 +188,7 @@ class ConsumePipeline:
             timedelta(days=inbox_retention_days) if inbox_enabled and inbox_retention_days else None
         )
         self._max_header_bytes = max_header_bytes
+        self._handler_timeout = handler_timeout_seconds
         self._tracing: Tracing = tracing or NoTracing()
         self._units = units
         self._registry = registry
@@ -236,8 +257,9 @@ class ConsumePipeline:
                 )
                 if known:
                     return ConsumeOutcome.DUPLICATE
-            with handler_scope(handler_name(consumer.handler)):
-                await consumer.handler(message, uow)
+            async with time_limit(self._handler_timeout, "handler"):  # the handler, not the commit
+                with handler_scope(handler_name(consumer.handler)):
+                    await consumer.handler(message, uow)
             late_receipt = self._inbox and not receipt_first
             if late_receipt and not await self._first_receipt(
                 session, dialect, consumer.name, envelope, digest

@@ -18,10 +18,11 @@ handler runs):
 * a message that cannot be trusted or read (bad/missing signature, malformed or oversized header,
   unknown event) is dead-lettered with the reason at once and never retried;
 * a duplicate is acknowledged and skipped (the inbox said so);
-* a handler failure (a run past ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` is one, see
-  ``consume_through_database_outages``) is retried by the broker (the transport's retry step,
-  with a delay) until ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then published to the consumer's dead-letter
-  destination with ``x-error`` and ``x-attempts`` and acknowledged: never lost, never looping;
+* a handler failure (a handler past ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` is one: the limit
+  covers the handler, never the commit, see ``consume.inbox``) is retried by the broker (the
+  transport's retry step, with a delay) until ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``, then
+  published to the consumer's dead-letter destination with ``x-error`` and ``x-attempts`` and
+  acknowledged: never lost, never looping;
 * a failure because the database is unreachable is not the message's fault: the message is held
   and run again, uncharged, for up to ``MESSAGE_BUS__DATABASE_OUTAGE_HOLD_SECONDS``;
 * a message delivered more times than the limit without a recorded failure (the process died
@@ -37,7 +38,12 @@ handler runs):
   destination is gone, the broker is down), the message goes back through
   the transport's retry step (counted, so the guard above dead-letters it once the destination
   takes copies again); if even that fails the connection is gone, and the broker redelivers on
-  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer)."""
+  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer).
+
+Every line logged about a message, from its ``received`` to its ``processed``, carries the
+correlation id and tenant its headers claim (read, not yet verified: for the logs only), so a
+worker's lines can be followed from the API's; FastStream's own per-message lines, logged
+outside it with the worker's context, are kept out (``transports.base``)."""
 
 from __future__ import annotations
 
@@ -50,11 +56,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from outbox_kit.application.handlers import Consumer
-from outbox_kit.application.observability import RelayMetrics, time_limit
+from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerDelivery
-from outbox_kit.transports.envelope import RejectedMessageError
+from outbox_kit.transports.envelope import RejectedMessageError, claimed_context
 from outbox_kit.transports.settings import MessageBusSettings
 
 log = logging.getLogger(__name__)
@@ -104,8 +110,6 @@ async def consume_through_database_outages(
     hold_seconds: float,
     consumer: Consumer[Any],
     delivery: BrokerDelivery,
-    *,
-    handler_timeout_seconds: float,
 ) -> None:
     """Run the pipeline; while the database is unreachable, hold the message and run it again.
 
@@ -115,16 +119,14 @@ async def consume_through_database_outages(
     outage falls through to the normal, charged redelivery. Each run rolls back in full, so
     running again is exactly a redelivery.
 
-    Each run is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``: a handler past it is
-    cancelled (its unit of work rolls back) and the run fails with ``TimeLimitExceededError``, a
-    handler failure like any other (redelivered, then dead-lettered), so one message that hangs
-    cannot stop its consumer (or, on Kafka, its partition). A hold between runs is not counted."""
+    Each run's handler is limited to ``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS`` (the pipeline's, see
+    ``consume.inbox``): one that hangs fails its run like any other failure (redelivered, then
+    dead-lettered), so it cannot stop its consumer (or, on Kafka, its partition)."""
     deadline = time.monotonic() + hold_seconds
     pause = OUTAGE_FIRST_PAUSE_SECONDS
     while True:
         try:
-            async with time_limit(handler_timeout_seconds, "handler"):
-                await pipeline.consume(consumer, delivery.headers, delivery.body)
+            await pipeline.consume(consumer, delivery.headers, delivery.body)
         except Exception as error:
             if not is_database_outage(error) or time.monotonic() + pause > deadline:
                 raise
@@ -160,17 +162,24 @@ class ConsumeWrapper:
 
     def handler_for(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401 (what a transport subscribes)
         async def handle(delivery: BrokerDelivery) -> None:
-            attempt: int | None = None
-            try:
-                attempt = await delivery.attempt()
-                await self._handle(consumer, delivery, attempt)
-            except RejectedMessageError as rejected:  # the counters were unreadable
-                self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
-                await self._end(consumer, delivery, rejected, attempt)
-            except Exception as error:  # noqa: BLE001 (the last resort: see the module)
-                await self._end(consumer, delivery, error, attempt)
+            # Every line about the message carries its correlation id and tenant (see the module).
+            with claimed_context(delivery.headers):
+                log.info("%s: received message %s", consumer.name, delivery.message_id)
+                await self._handle_to_the_end(consumer, delivery)
+                log.info("%s: processed message %s", consumer.name, delivery.message_id)
 
         return handle
+
+    async def _handle_to_the_end(self, consumer: Consumer[Any], delivery: BrokerDelivery) -> None:
+        attempt: int | None = None
+        try:
+            attempt = await delivery.attempt()
+            await self._handle(consumer, delivery, attempt)
+        except RejectedMessageError as rejected:  # the counters were unreadable
+            self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
+            await self._end(consumer, delivery, rejected, attempt)
+        except Exception as error:  # noqa: BLE001 (the last resort: see the module)
+            await self._end(consumer, delivery, error, attempt)
 
     async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> None:
         if attempt > self._settings.max_delivery_attempts:
@@ -189,7 +198,6 @@ class ConsumeWrapper:
                     self._settings.database_outage_hold_seconds,
                     consumer,
                     delivery,
-                    handler_timeout_seconds=self._settings.handler_timeout_seconds,
                 )
         except RejectedMessageError as rejected:
             await self._dead_letter_rejected(consumer, delivery, rejected, attempt)

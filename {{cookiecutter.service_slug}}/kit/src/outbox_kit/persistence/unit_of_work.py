@@ -139,6 +139,12 @@ class Capture:
         """True when some row is for the processor (not leased to this process)."""
         return any(not row.leased for row in self.rows)
 
+    @property
+    def lease_until(self) -> datetime | None:
+        """Where the rows leased to this process are leased until (one value for all of them);
+        None when there are none."""
+        return next((row.values["locked_until"] for row in self.rows if row.leased), None)
+
 
 log = logging.getLogger(__name__)
 
@@ -337,6 +343,14 @@ class DeliveryRecords:
 
 class AfterCommit(Protocol):
     """Delivers, in-process, what a commit wrote for this process."""
+
+    async def commit_leased(self, commit: Awaitable[None], token: uuid.UUID, lease_until: datetime) -> None:
+        """Run ``commit``, which inserts rows leased to this process under ``token`` until
+        ``lease_until``; if a cancellation interrupts it (the COMMIT may have landed, its answer
+        on the way), give back every such row before the cancellation goes on (bounded by the
+        shutdown timeout), so the processor retries them after the processing delay, not the
+        lease."""
+        ...
 
     async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
         """Deliver the rows a commit inserted leased to this process (never raises but on
@@ -549,7 +563,7 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         await self._run_before_commit(new_versions)
         outbox, written = await self._write_rows(captured)
         await self._records.apply(self.session, self.now)
-        await self.session.commit()
+        await self._commit_session(outbox)
         self.committed = True
         for aggregate, _, aggregate_events in captured.aggregates:
             aggregate.remove_events(aggregate_events)
@@ -566,6 +580,15 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
 
     async def _run_before_commit(self, new_versions: list[tuple[AggregateRoot, int]]) -> None:
         await run_before_commit(self._before_commit, new_versions)
+
+    async def _commit_session(self, outbox: Capture) -> None:
+        """COMMIT; rows it leases to this process are given back if a cancellation interrupts it
+        (a cancellation after it lands in the dispatch, which gives them back as well)."""
+        until = outbox.lease_until
+        if until is None:
+            await self.session.commit()
+            return
+        await self._factory.after_commit.commit_leased(self.session.commit(), outbox.lock_token, until)
 
     async def _write_rows(self, captured: _Captured) -> tuple[Capture, list[WrittenRow]]:
         """One outbox row per event and one row per command, in this transaction."""

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from contextlib import suppress
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -115,11 +115,10 @@ class CycleShutdown:
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.release([row for row in rows if row.id in started], token)
 
-    async def claim(
-        self, claim: Awaitable[list[ClaimedRow]], token: uuid.UUID, lease_until: datetime
-    ) -> list[ClaimedRow]:
+    async def claim(self, claim: Awaitable[T], token: uuid.UUID, lease_until: datetime) -> T:
         """Run the cycle's claim, which leases to ``token`` until ``lease_until``; if a
-        cancellation interrupts it, give back what it leased.
+        cancellation interrupts it, give back what it leased. (The same for a business commit that
+        inserts rows already leased to its process: ``processor.in_process``.)
 
         The claim commits on its own, so a stop that lands after the server committed it (its
         answer on the way back, its connection returning to the pool) would leave the whole
@@ -159,7 +158,7 @@ class CycleShutdown:
         return max(0.0, self.deadline() - asyncio.get_running_loop().time())
 
 
-def _observed(task: asyncio.Future[list[ClaimedRow]]) -> None:
+def _observed(task: asyncio.Future[Any]) -> None:
     """The cycle is ending either way: an error of its interrupted claim is not one to report."""
     if not task.cancelled():
         task.exception()

@@ -43,9 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from datetime import timedelta
+from datetime import datetime, timedelta
 from itertools import groupby
 from typing import TYPE_CHECKING
 
@@ -58,10 +59,9 @@ from outbox_kit.domain import DomainEvent, Message
 from outbox_kit.persistence.database import Database, handler_scope
 from outbox_kit.persistence.tables import CASCADE_DEPTH_EXCEEDED, OUTBOX_TABLE, LeaseLostError, LeaseStore
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory, WrittenRow, wake_replicas
+from outbox_kit.processor.cycle import CycleShutdown
 
 if TYPE_CHECKING:
-    import uuid
-
     from outbox_kit.application.observability import RelayMetrics
 
 
@@ -164,6 +164,22 @@ class InProcessRowLeases:
             # Best effort: the rows then wait out their lease (OUTBOX__LEASE_SECONDS).
             log.exception("could not release the lease of %s outbox row(s)", len(rows))
 
+    async def commit_leased(self, commit: Awaitable[None], token: uuid.UUID, lease_until: datetime) -> None:
+        """The commit that inserts rows leased under ``token``: a cancellation that interrupts it
+        gives them back by token and lease end, as a cycle's interrupted claim does (its ids
+        are as unknown: the COMMIT may have landed unheard)."""
+        shutdown = CycleShutdown(
+            name="in-process dispatch",
+            timeout_seconds=self._shutdown_timeout,
+            database=self._units().database,
+            leases=self.store,
+        )
+        try:
+            await shutdown.claim(commit, token, lease_until)
+        except asyncio.CancelledError:
+            self._units().wake()  # this process's processor; other replicas find them at their poll
+            raise
+
     async def release_on_shutdown(self, rows: Sequence[WrittenRow]) -> None:
         """The release, protected from the cancellation that is stopping the process and bounded
         by the shutdown timeout."""
@@ -215,6 +231,10 @@ class LocalDispatcher:
     @property
     def factory(self) -> SqlUnitOfWorkFactory:
         return self._units()
+
+    async def commit_leased(self, commit: Awaitable[None], token: uuid.UUID, lease_until: datetime) -> None:
+        """Run a commit that inserts rows leased to this process (see :class:`AfterCommit`)."""
+        await self._leases.commit_leased(commit, token, lease_until)
 
     async def deliver(
         self,

@@ -452,7 +452,6 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
             registry=registry,
             pipeline=pipeline,
             signer=signer,
-            handler_timeout_seconds=settings.message_bus.handler_timeout_seconds,
         )
     from outbox_kit.consume.bus import FastStreamBus  # noqa: PLC0415
 
@@ -565,6 +564,7 @@ class OutboxContainer(containers.DeclarativeContainer):
         inbox_enabled=settings.provided.message_bus.inbox_enabled,
         metrics=metrics,
         clock=clock,
+        handler_timeout_seconds=settings.provided.message_bus.handler_timeout_seconds,
         inbox_retention_days=settings.provided.inbox.retention_days,
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
         tracing=tracing,

@@ -403,8 +403,11 @@ class BrokerTransport(Protocol):
 BROKER_LOG = logging.getLogger(f"{__name__.rpartition('.')[0]}.faststream")
 
 
+PER_MESSAGE = frozenset({"Received", "Processed"})  # FastStream's own lines for each message
+
+
 class FastStreamNoise(logging.Filter):
-    """Keeps out of the service's log two FastStream records that report nothing wrong.
+    """Keeps out of the service's log the FastStream records that report nothing wrong.
 
     * ``callback for Task-N is being executed...``: its task supervisor, at INFO, for every
       subscriber task that ends (each stop).
@@ -413,11 +416,17 @@ class FastStreamNoise(logging.Filter):
       also raises a bare ``asyncio.TimeoutError`` there, so an idle stream ended the loop, the
       supervisor restarted it (all that should happen) and logged an ERROR traceback.
 
+    * ``Received`` and ``Processed``, at INFO for every message: logged outside the consume
+      wrapper, so under the worker's correlation id and no tenant; the wrapper logs its own, under
+      the message's (``consume.subscribers``).
+
     Any other exception a subscriber task raises keeps its ERROR."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.msg)
         if message.startswith("callback for ") and message.endswith(" is being executed..."):
+            return False
+        if message in PER_MESSAGE and record.levelno == logging.INFO:
             return False
         error = record.exc_info[1] if record.exc_info else None
         return not (type(error) is TimeoutError and _raised_by_a_nats_fetch(error))

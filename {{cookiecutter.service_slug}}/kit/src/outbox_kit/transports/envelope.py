@@ -38,7 +38,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -50,6 +51,8 @@ from outbox_kit.application.context import (
     MAX_USER_BYTES,
     CapturedContext,
     InvalidContextError,
+    RequestContext,
+    restored,
     validate_correlation_id,
     validate_traceparent,
 )
@@ -225,6 +228,40 @@ def read_envelope(
         occurred_on=_occurred_on(headers),
         body=body,
         context=_context(headers),
+    )
+
+
+MESSAGE_AUTHENTICATION = "message"  # how a context restored from a message was authenticated
+ANONYMOUS = CapturedContext(None, None, None, None, None)
+
+
+@contextmanager
+def claimed_context(raw_headers: Mapping[str, object]) -> Iterator[RequestContext]:
+    """Run a block under the correlation id and tenant a received message's headers claim, so
+    its log lines carry them from the moment it arrives (before it is verified); headers too
+    malformed to read give a fresh context (its own correlation id), never the worker's. Never
+    trusted beyond the logs: no user, no roles; the pipeline restores the verified context for
+    the handler."""
+    captured = _claimed(raw_headers) or ANONYMOUS
+    with restored(captured, authentication_type=MESSAGE_AUTHENTICATION) as context:
+        yield context
+
+
+def _claimed(raw_headers: Mapping[str, object]) -> CapturedContext | None:
+    try:
+        headers = _bounded_headers(raw_headers, sum(LIMITS.values()))
+        tenant = headers.get(TENANT_ID) or None
+        if tenant is not None and not is_plain_identifier(tenant):
+            return None
+        context = _context(headers)
+    except RejectedMessageError:
+        return None
+    return CapturedContext(
+        tenant_id=tenant,
+        user_id=None,
+        user_roles=None,
+        correlation_id=context.correlation_id,
+        traceparent=None,
     )
 
 

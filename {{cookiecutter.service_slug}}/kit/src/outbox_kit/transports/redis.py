@@ -76,7 +76,7 @@ from outbox_kit.transports.base import (
     the_message,
 )
 from outbox_kit.transports.bus import Unrouted
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, claimed_context
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
@@ -198,7 +198,10 @@ class RedisTransport(FastStreamTransport):
         async def on_message(message: RedisStreamMessage) -> None:
             entries = {(stream, group, as_entry_id(e)) for e in message.raw_message.get("message_ids") or []}
             if entries & self._in_flight:
-                log.info("%s: entry %s is still being handled here; copy dropped", stream, message.message_id)
+                with claimed_context(message.headers or {}):  # a line about the message: its context
+                    log.info(
+                        "%s: entry %s is still being handled here; copy dropped", stream, message.message_id
+                    )
                 return
             self._in_flight |= entries
             try:
