@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 import time
 import uuid
@@ -84,6 +85,7 @@ class Observer:
     seen: list[dict[str, Any]] = field(default_factory=list)
     takes_seconds: float = 0.0
     hangs_on: set[int] = field(default_factory=set)  # values whose handling never returns
+    blocks_seconds: float = 0.0  # how long each run blocks the event loop (a CPU-bound stall)
 
     async def __call__(self, event: CounterChangedV1, uow: SqlUnitOfWork) -> None:
         context = current_context()
@@ -99,6 +101,7 @@ class Observer:
                 "value": event.value,
             }
         )
+        time.sleep(self.blocks_seconds)
         if self.failures_left != 0:
             self.failures_left -= 1
             msg = f"observer failure, {self.failures_left} left"
@@ -432,6 +435,87 @@ async def test_a_handler_that_never_returns_is_timed_out_redelivered_then_dead_l
     assert await effects_of(container) == ["consumed:2"]
 
 
+# The transports whose dead-letter destination a test can take away and give back.
+REFUSING = [
+    pytest.param("rabbitmq", marks=pytest.mark.rabbitmq),
+    pytest.param("nats", marks=pytest.mark.nats),
+    pytest.param("redis", marks=pytest.mark.redis),
+]
+
+
+async def refuse_dead_letters(container: OutboxContainer, transport: str, *, refuse: bool) -> None:
+    """Take the consumer's dead-letter destination away (every copy is refused) or give it back:
+    RabbitMQ's queue deleted (NO_ROUTE), NATS's stream deleted (no stream answers), Redis's
+    stream key holding a string (WRONGTYPE)."""
+    bus = container.bus()
+    names = bus.names  # type: ignore[attr-defined]
+    if transport == "rabbitmq":
+        import aio_pika
+
+        connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+        async with connection:
+            channel = await connection.channel()
+            if refuse:
+                await channel.queue_delete(names.dead_letters(CONSUMER))
+            else:
+                await channel.declare_queue(names.dead_letters(CONSUMER), durable=True)
+    elif transport == "nats":
+        from outbox_kit.transports.nats import ensure_stream
+
+        js = bus.transport._jetstream()  # type: ignore[attr-defined]
+        stream = names.stream("dead_letters")
+        if refuse:
+            await js.delete_stream(stream)
+        else:
+            await ensure_stream(js, stream, [f"dlq.{names.queue('')}>"])
+    else:
+        client = bus.broker.config.connection.client  # type: ignore[attr-defined]
+        if refuse:
+            await client.set(names.dead_letters(CONSUMER), "not a stream")
+        else:
+            await client.delete(names.dead_letters(CONSUMER))
+
+
+@pytest.mark.parametrize("transport", REFUSING)
+async def test_a_failed_message_whose_dead_letter_copy_is_refused_ends_dead_lettered_once_it_is_taken(
+    start: Start, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 34: the dead-letter destination is gone while a failing message uses its attempts.
+    Each refused copy hands the message back to the broker; NATS used to stop redelivering after
+    ``max_deliver`` (the limit plus two) and the message was lost. Now it is handed back for as
+    long as its copy is refused, without running the handler again, and once the destination is
+    back it ends there: one copy with the handler's error, after exactly the limit of runs."""
+    caplog.set_level(logging.ERROR, logger="outbox_kit.consume.subscribers")
+    container, observer = await start(transport, failures=-1)
+
+    def refusals() -> int:
+        return sum("could not be dead-lettered" in record.getMessage() for record in caplog.records)
+
+    await refuse_dead_letters(container, transport, refuse=True)
+    message = envelope(3)
+    await container.bus().publish(message)
+    # Past the limit plus two deliveries, where JetStream used to give up on it.
+    await eventually(lambda: refusals() >= 5, timeout=90)
+    assert len(observer.seen) == 3, "the handler ran again past MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS"
+    await refuse_dead_letters(container, transport, refuse=False)
+    letters: list[Any] = []
+    deadline = time.monotonic() + 90
+    while not letters and time.monotonic() < deadline:
+        letters = await container.bus().dead_letters(CONSUMER)
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(3.0)  # a few more redelivery delays: nothing else may arrive
+    later = await container.bus().dead_letters(CONSUMER)
+    letters = letters + later if transport == "rabbitmq" else later  # RabbitMQ's are consumed when read
+    assert [letter.headers["x-message-id"] for letter in letters] == [message.message_id]
+    assert letters[0].error.startswith("RuntimeError: observer failure"), letters[0].error
+    assert len(observer.seen) == 3
+    counted = container.metrics().registry.get_sample_value(
+        "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "handler_failed"}
+    )
+    assert counted == 1.0
+    assert await effects_of(container) == []
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_a_handler_that_recovers_has_exactly_one_effect(start: Start, transport: str) -> None:
     container, observer = await start(transport, failures=2)
@@ -675,16 +759,21 @@ async def test_a_copy_reclaimed_while_its_handler_runs_is_dropped(
 
 
 @pytest.mark.nats
-async def test_a_raised_attempt_limit_reaches_the_existing_nats_consumer(
+async def test_a_nats_consumer_an_earlier_version_capped_is_redeclared_without_max_deliver(
     start: Start, sqlite_url: str
 ) -> None:
-    """The durable consumer was created with ``max_deliver`` 5 (3 attempts + 2); a redeploy with
-    6 attempts updates it to 8, or JetStream would give up before the wrapper dead-letters."""
+    """Earlier versions created the durable consumer with ``max_deliver`` = the limit plus two,
+    where JetStream dropped a message whose dead-letter copy was refused; the consumer now has
+    none (the wrapper bounds the handler runs), and a redeploy lifts an existing cap."""
     namespace = f"t{uuid.uuid4().hex[:10]}"
     first, _ = await start("nats", namespace=namespace)
     events = first.bus().names.stream("events")  # type: ignore[attr-defined]
     js = first.bus().broker.config.connection_state.stream  # type: ignore[attr-defined]
     durable = re.sub(r"[^A-Za-z0-9_-]", "_", first.bus().names.queue(CONSUMER))  # type: ignore[attr-defined]
+    info = await js.consumer_info(events, durable)
+    assert info.config.max_deliver == -1
+    info.config.max_deliver = 5  # as the earlier version declared it (3 attempts + 2)
+    await js.add_consumer(events, config=info.config)
     assert (await js.consumer_info(events, durable)).config.max_deliver == 5
     settings = make_settings(
         sqlite_url,
@@ -697,7 +786,7 @@ async def test_a_raised_attempt_limit_reaches_the_existing_nats_consumer(
     bus = redeployed.bus()
     try:
         await bus.start()
-        assert (await js.consumer_info(events, durable)).config.max_deliver == 8
+        assert (await js.consumer_info(events, durable)).config.max_deliver == -1
     finally:
         await bus.stop()
         await redeployed.database().dispose()
