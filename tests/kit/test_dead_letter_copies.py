@@ -19,7 +19,7 @@ from typing import Any, cast
 import pytest
 from nats.errors import ConnectionClosedError
 from nats.js.errors import BadRequestError
-from outbox_kit.transports.nats import NatsDelivery
+from outbox_kit.transports.nats import NatsDelivery, retry_delay
 from outbox_kit.transports.rabbit import RabbitDelivery
 from pamqp.encode import field_table
 
@@ -73,6 +73,7 @@ async def test_a_nats_dead_letter_copy_uses_the_publish_timeout() -> None:
         dlq_subject="dlq.kit",
         dlq_stream="dead-letters",
         delay=1.0,
+        longest_delay=4.0,
         publish_timeout=7.5,
     )
     await delivery.dead_letter("handler_failed: boom", attempt=3)
@@ -110,6 +111,7 @@ def nats_delivery(broker: RecordingBroker, message: Received) -> NatsDelivery:
         dlq_subject="dlq.kit",
         dlq_stream="dead-letters",
         delay=1.0,
+        longest_delay=4.0,
         publish_timeout=7.5,
     )
 
@@ -184,3 +186,17 @@ async def test_a_rabbitmq_copy_fits_the_connections_frame_max() -> None:
     assert {name: copy["headers"][name] for name in SIGNED} == SIGNED
     assert copy["headers"]["x-truncated"].startswith("headers:")
     assert copy["body"] == message.body
+
+
+def test_a_nats_message_handed_back_past_the_limit_waits_the_longest_backoff() -> None:
+    """A message whose dead-letter copy is refused is handed back once per delivery, for as long
+    as the refusal lasts: its nack delay stops doubling at the last retry's."""
+    assert [retry_delay(0.5, attempt, 4.0) for attempt in (1, 2, 3, 4, 5, 40, 5000)] == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        4.0,
+        4.0,
+        4.0,
+    ]

@@ -37,8 +37,11 @@ handler runs):
   message's size never reaches the connection. If the dead-letter copy is refused too (its
   destination is gone, the broker is down), the message goes back through
   the transport's retry step (counted, so the guard above dead-letters it once the destination
-  takes copies again); if even that fails the connection is gone, and the broker redelivers on
-  its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis reclaimer).
+  takes copies again, with the failure this process recorded: :class:`RefusedCopies`; past the
+  limit no redelivery runs the handler again, and none is ever the last: no transport caps
+  redeliveries below the wrapper); if even that fails the connection is gone, and the broker
+  redelivers on its own (a closed channel requeues, JetStream's ``ack_wait``, the Redis
+  reclaimer).
 
 Every line logged about a message, from its ``received`` to its ``processed``, carries the
 correlation id and tenant its headers claim (read, not yet verified: for the logs only), so a
@@ -51,8 +54,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from outbox_kit.application.handlers import Consumer
@@ -150,6 +155,42 @@ INTERNAL = "internal_error"  # the reason tag of an error in this wrapper, not i
 UNKNOWN_ATTEMPT = 0  # x-attempts of a message whose counters could not be read
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Why a message is dead-lettered: its ``x-error`` and the reason tag its metric counts."""
+
+    error: str
+    reason: str
+
+
+REMEMBERED_REFUSALS = 1024
+
+
+class RefusedCopies:
+    """The failures whose dead-letter copy was refused, by consumer and message id (the latest
+    :data:`REMEMBERED_REFUSALS`), so that the redelivery which dead-letters the message past its
+    limit (the crash guard) carries the failure, not "no recorded failure". This process's memory
+    only: a redelivery another process takes is dead-lettered with the crash guard's reason."""
+
+    def __init__(self, size: int = REMEMBERED_REFUSALS) -> None:
+        self._size = size
+        self._failures: OrderedDict[tuple[str, str], Failure] = OrderedDict()
+
+    def remember(self, key: tuple[str, str], failure: Failure) -> None:
+        """Keep the first failure recorded for ``key`` (a later one is the refusal itself)."""
+        if key in self._failures:
+            return
+        self._failures[key] = failure
+        while len(self._failures) > self._size:
+            self._failures.popitem(last=False)
+
+    def recall(self, key: tuple[str, str]) -> Failure | None:
+        return self._failures.get(key)
+
+    def forget(self, key: tuple[str, str]) -> None:
+        self._failures.pop(key, None)
+
+
 class ConsumeWrapper:
     """Runs each received message through the consume pipeline and ends it, whatever happens."""
 
@@ -159,6 +200,7 @@ class ConsumeWrapper:
         self._settings = settings
         self._pipeline = pipeline
         self._metrics = metrics
+        self._refused = RefusedCopies()
 
     def handler_for(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401 (what a transport subscribes)
         async def handle(delivery: BrokerDelivery) -> None:
@@ -183,6 +225,18 @@ class ConsumeWrapper:
 
     async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> None:
         if attempt > self._settings.max_delivery_attempts:
+            recorded = self._refused.recall((consumer.name, delivery.message_id))
+            if recorded is not None:  # handed back earlier: its copy was refused, not the handler run
+                await self._copy(consumer, delivery, recorded, attempt)
+                self._metrics.inbox_dead_letters.labels(consumer.name, recorded.reason).inc()
+                log.error(
+                    "%s: message %s dead-lettered after %s attempts: %s",
+                    consumer.name,
+                    delivery.message_id,
+                    attempt,
+                    recorded.error,
+                )
+                return
             await delivery.dead_letter(CRASH_GUARD_ERROR, attempt)
             self._metrics.inbox_rejected.labels(consumer.name, "attempts_exhausted").inc()
             self._metrics.inbox_dead_letters.labels(consumer.name, "crash_guard").inc()
@@ -210,7 +264,7 @@ class ConsumeWrapper:
     async def _dead_letter_rejected(
         self, consumer: Consumer[Any], delivery: BrokerDelivery, rejected: RejectedMessageError, attempt: int
     ) -> None:
-        await delivery.dead_letter(f"rejected: {rejected}", attempt)
+        await self._copy(consumer, delivery, Failure(f"rejected: {rejected}", rejected.reason), attempt)
         self._metrics.inbox_dead_letters.labels(consumer.name, rejected.reason).inc()
         log.error(
             "%s: message %s rejected and dead-lettered: %s", consumer.name, delivery.message_id, rejected
@@ -251,9 +305,8 @@ class ConsumeWrapper:
         reason: str,
     ) -> None:
         described = f"{type(error).__name__}: {error}"
-        await delivery.dead_letter(
-            described if reason == HANDLER_FAILED else f"{reason}: {described}", attempt
-        )
+        failure = Failure(described if reason == HANDLER_FAILED else f"{reason}: {described}", reason)
+        await self._copy(consumer, delivery, failure, attempt)
         self._metrics.inbox_dead_letters.labels(consumer.name, reason).inc()
         log.error(
             "%s: message %s dead-lettered after %s attempts: %s",
@@ -263,6 +316,19 @@ class ConsumeWrapper:
             described,
             exc_info=error,
         )
+
+    async def _copy(
+        self, consumer: Consumer[Any], delivery: BrokerDelivery, failure: Failure, attempt: int
+    ) -> None:
+        """The transport's dead-letter step; a refused copy's failure is remembered for the
+        redelivery that tries again (see :class:`RefusedCopies`)."""
+        key = (consumer.name, delivery.message_id)
+        try:
+            await delivery.dead_letter(failure.error, attempt)
+        except Exception:
+            self._refused.remember(key, failure)
+            raise
+        self._refused.forget(key)
 
     async def _end(
         self, consumer: Consumer[Any], delivery: BrokerDelivery, error: Exception, attempt: int | None

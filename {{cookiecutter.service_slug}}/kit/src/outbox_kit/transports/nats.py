@@ -10,14 +10,19 @@ stream, and during a rolling deploy the old and the new version both declare it:
 subject list with our own would make the other side's publishes fail until it declares again.
 The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
 because two services can merge at the same moment. An existing durable consumer is brought to
-the current ``max_deliver`` and ``ack_wait``.
+the consumer's ``max_deliver`` (none) and ``ack_wait``.
 
 NATS JetStream: one events stream, one durable pull consumer per consumer, a DLQ stream.
 
 A failure is retried with ``nack(delay=...)`` (exponential from
-``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``); JetStream's own ``max_deliver`` (the limit plus two)
-is only the safety net for crash loops. Publishes go through JetStream (``stream=``), never core
-NATS (a core publish to a subject no stream captures is silently lost), and carry
+``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``, never longer than the last retry's delay). The
+wrapper counts attempts from ``num_delivered``; the durable consumer has no ``max_deliver``,
+because JetStream stops redelivering a message past it, unacknowledged and never dead-lettered:
+a message whose dead-letter copy is refused (the DLQ stream gone) is handed back once per
+delivery, for as long as the refusal lasts. Past the limit a redelivery runs no handler: the
+crash guard only tries the copy again, until the stream takes it. Publishes go through
+JetStream (``stream=``), never core NATS (a core publish to a subject no stream captures is
+silently lost), and carry
 ``Nats-Msg-Id`` so JetStream drops a duplicate publish within its dedup window.
 
 Declaring a stream only ever adds subjects. Services that share a namespace share its events
@@ -72,6 +77,7 @@ if TYPE_CHECKING:
 
 
 ACK_WAIT_SECONDS = 30
+UNLIMITED_DELIVERIES = -1  # JetStream's max_deliver for "no limit" (see the module)
 DEFAULT_MAX_PAYLOAD = 1_048_576  # the server's default, when the connection's is not at hand
 JETSTREAM_HEADER_BYTES = 65_536  # "header size exceeds maximum allowed of 64k" (err_code 10097)
 # Room for what FastStream and the client add to a publish (content-type, correlation_id).
@@ -96,6 +102,11 @@ def copy_limit(max_payload: int) -> CopyLimit:
     )
 
 
+def retry_delay(delay: float, attempt: int, longest: float) -> float:
+    """``delay * 2^(attempt-1)``, at most ``longest``."""
+    return min(delay * 2.0 ** min(max(attempt - 1, 0), 32), longest)
+
+
 class NatsDelivery(ReceivedMessage):
     def __init__(
         self,
@@ -105,6 +116,7 @@ class NatsDelivery(ReceivedMessage):
         dlq_subject: str,
         dlq_stream: str,
         delay: float,
+        longest_delay: float,
         publish_timeout: float,
     ) -> None:
         super().__init__(message)
@@ -112,6 +124,7 @@ class NatsDelivery(ReceivedMessage):
         self._dlq_subject = dlq_subject
         self._dlq_stream = dlq_stream
         self._delay = delay
+        self._longest_delay = longest_delay
         self._timeout = publish_timeout
 
     async def attempt(self) -> int:
@@ -121,7 +134,9 @@ class NatsDelivery(ReceivedMessage):
             return 1
 
     async def retry(self, attempt: int) -> None:
-        await self._message.nack(delay=self._delay * 2 ** (attempt - 1))
+        """Nack with the attempt's backoff; a message handed back past the limit (its
+        dead-letter copy refused) waits the longest one each time, not an ever doubling one."""
+        await self._message.nack(delay=retry_delay(self._delay, attempt, self._longest_delay))
 
     @property
     def heartbeat_seconds(self) -> float | None:
@@ -182,21 +197,18 @@ async def ensure_stream(js: Any, name: str, subjects: list[str]) -> None:  # noq
     raise RuntimeError(msg)
 
 
-async def refresh_consumer(js: Any, stream: str, durable: str, max_delivery_attempts: int) -> None:  # noqa: ANN401
+async def refresh_consumer(js: Any, stream: str, durable: str) -> None:  # noqa: ANN401
     """Bring an existing durable consumer to the current settings.
 
-    FastStream creates a missing durable consumer but leaves an existing one as it was, so a
-    raised ``MAX_DELIVERY_ATTEMPTS`` would keep the old ``max_deliver``: JetStream would stop
-    redelivering before the wrapper dead-letters, and the message would sit unacknowledged
-    forever. ``max_deliver`` and ``ack_wait`` are editable on a live consumer."""
+    FastStream creates a missing durable consumer but leaves an existing one as it was: one an
+    earlier version created with ``max_deliver`` (the limit plus two) would still drop a message
+    whose dead-letter copy is refused (see the module). ``max_deliver`` and ``ack_wait`` are
+    editable on a live consumer."""
     try:
         info = await js.consumer_info(stream, durable)
     except NotFoundError:
         return  # created with the current settings when it starts
-    wanted = {
-        "max_deliver": max_delivery_attempts + 2,
-        "ack_wait": float(ACK_WAIT_SECONDS),
-    }
+    wanted = {"max_deliver": UNLIMITED_DELIVERIES, "ack_wait": float(ACK_WAIT_SECONDS)}
     current = {"max_deliver": info.config.max_deliver, "ack_wait": info.config.ack_wait}
     if current != wanted:
         info.config.max_deliver = wanted["max_deliver"]
@@ -243,6 +255,7 @@ class NatsTransport(FastStreamTransport):
         broker = self.broker
         dlq_subject = self._names.dead_letter_subject(consumer.name)
         delay = self._settings.redelivery_delay_seconds
+        longest_delay = delay * 2 ** (self._settings.max_delivery_attempts - 1)
 
         @broker.subscriber(
             subject,
@@ -250,7 +263,7 @@ class NatsTransport(FastStreamTransport):
             durable=durable_name(self._names.queue(consumer.name)),
             pull_sub=PullSub(batch_size=10, timeout=1.0),
             config=ConsumerConfig(
-                max_deliver=self._settings.max_delivery_attempts + 2,
+                max_deliver=UNLIMITED_DELIVERIES,
                 ack_wait=ACK_WAIT_SECONDS,
                 filter_subject=subject,
             ),
@@ -265,6 +278,7 @@ class NatsTransport(FastStreamTransport):
                     dlq_subject=dlq_subject,
                     dlq_stream=self._dead_letters,
                     delay=delay,
+                    longest_delay=longest_delay,
                     publish_timeout=self._settings.publish_timeout_seconds,
                 )
             )
@@ -278,9 +292,7 @@ class NatsTransport(FastStreamTransport):
         await ensure_stream(self._jetstream(), self._dead_letters, [f"dlq.{self._names.queue('')}>"])
         for consumer in consumers:
             durable = durable_name(self._names.queue(consumer.name))
-            await refresh_consumer(
-                self._jetstream(), self._events, durable, self._settings.max_delivery_attempts
-            )
+            await refresh_consumer(self._jetstream(), self._events, durable)
 
     async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # their durable consumers go with the stream

@@ -19,7 +19,10 @@ entries.
 Reclaiming goes by idle time alone, so a stalled event loop (a CPU-starved container, a long GC
 pause) can let this process's own reclaimer take an entry its handler is still running. The
 transport keeps the entry ids in flight and drops such a copy unacknowledged: the running handler
-acks it or leaves it pending, exactly as if the copy had never come. Another process can still
+acks it or leaves it pending, exactly as if the copy had never come. The reclaim counted a
+delivery all the same (XPENDING's count is the attempt), so the drop takes it back
+(:data:`UNCOUNT`): a stalled handler still runs exactly ``MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS``
+times before its dead letter, not one fewer per dropped copy. Another process can still
 take an entry whose heartbeat stalled past the idle time; the inbox makes that second run a
 duplicate that changes nothing.
 
@@ -165,6 +168,20 @@ class RedisDelivery(ReceivedMessage):
 log = logging.getLogger(__name__)
 FRESH_READ_COUNT = 10  # entries per XREADGROUP, as NATS pulls (see ``subscribe``)
 
+# Takes back the delivery this member's reclaim counted for an entry whose copy it dropped:
+# ``XCLAIM ... JUSTID RETRYCOUNT count-1`` (JUSTID alone never counts), in one script so that an
+# entry another member claimed meanwhile (no longer ours) or acknowledged (no longer pending) is
+# left alone. KEYS[1] the stream; ARGV the group, the member, the entry id.
+UNCOUNT = """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)[1]
+if pending and pending[2] == ARGV[2] and tonumber(pending[4]) > 1 then
+  local count = tonumber(pending[4]) - 1
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID', 'RETRYCOUNT', count)
+  return 1
+end
+return 0
+"""
+
 
 class RedisTransport(FastStreamTransport):
     label = "Redis"
@@ -198,6 +215,7 @@ class RedisTransport(FastStreamTransport):
         async def on_message(message: RedisStreamMessage) -> None:
             entries = {(stream, group, as_entry_id(e)) for e in message.raw_message.get("message_ids") or []}
             if entries & self._in_flight:
+                await self._uncount(stream, group, entries & self._in_flight)
                 with claimed_context(message.headers or {}):  # a line about the message: its context
                     log.info(
                         "%s: entry %s is still being handled here; copy dropped", stream, message.message_id
@@ -231,6 +249,12 @@ class RedisTransport(FastStreamTransport):
                 parser=fallback_parser(self._readable),
                 decoder=the_message,
             )(on_message)
+
+    async def _uncount(self, stream: str, group: str, entries: set[tuple[str, str, str]]) -> None:
+        """A dropped copy costs no attempt (see the module and :data:`UNCOUNT`)."""
+        client = self.broker.config.connection.client
+        for _, _, entry_id in sorted(entries):
+            await client.eval(UNCOUNT, 1, stream, group, self._member, entry_id)
 
     async def _readable(self, entry: Mapping[str, Any]) -> Mapping[str, Any]:
         """The entry as a message without headers whose body is its raw bytes (see the module)."""
