@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import json
 import logging
 import sys
@@ -93,6 +94,7 @@ from outbox_kit.application.text import escape_controls
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.trace import TracerProvider
+    from sentry_sdk.integrations import Integration
 
 Clock = Callable[[], datetime]
 
@@ -611,8 +613,21 @@ def configure_error_tracking(
         traces_sample_rate=None,  # traces are OpenTelemetry's (TELEMETRY__TRACING)
         before_send=cast("Any", partial(_reported, scrubber)),
         before_breadcrumb=cast("Any", scrubber.event),
+        before_send_log=cast("Any", scrubber.event),  # none are sent (below); scrubbed if ever
+        integrations=[_log_records_as_events()],
     )
     return True
+
+
+def _log_records_as_events() -> Integration:
+    """ERROR records become events and INFO ones their breadcrumbs, on Sentry 2 and 3: Sentry 3
+    no longer enables this by default, and its ``level`` sends every record as a Sentry Log (past
+    ``before_send``) where Sentry 2's meant breadcrumbs."""
+    from sentry_sdk.integrations.logging import LoggingIntegration  # noqa: PLC0415
+
+    if "breadcrumb_level" in inspect.signature(LoggingIntegration).parameters:  # Sentry 3
+        return LoggingIntegration(level=None, event_level=logging.ERROR)
+    return LoggingIntegration(level=logging.INFO, event_level=logging.ERROR)
 
 
 def _reported(scrubber: Scrubber, event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:

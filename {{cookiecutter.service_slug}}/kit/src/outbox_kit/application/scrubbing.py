@@ -65,7 +65,7 @@ _JWT = re.compile(r"eyJ[A-Za-z0-9_-]{8,}(?:\.[A-Za-z0-9_-]*){0,2}")
 _SCHEME_CREDENTIALS = re.compile(r"(?i)\b(bearer|basic)(\s+)[A-Za-z0-9._~+/=-]+")
 _SECRET_PAIR = re.compile(
     r"(?i)\b([\w-]*(?:token|secret|password|passwd|signature|authorization|credentials|api[_-]?key)[\w-]*)"
-    r"""(["']?\s*[=:]\s*["']?)([^\s"'&,;)}\]]+)"""
+    r"""(["']?\s*[=:]\s*["']?)(?!(?:bearer|basic)\s)([^\s"'&,;)}\[\]]+)"""
 )
 _TRUNCATED = "..."  # how the SDK ends a string it cut short
 
@@ -118,7 +118,11 @@ class Scrubber:
             return [self.value(item) for item in value]
         if value is None or isinstance(value, bool | int | float):
             return value
-        return self.text(_safe_repr(value))  # not serialized yet: what the SDK would send
+        # Not serialized yet (a breadcrumb's timestamp, its data): kept as it is, unless what the
+        # SDK would send of it, its repr, holds a secret.
+        shown = _safe_repr(value)
+        scrubbed = self.text(shown)
+        return value if scrubbed == shown else scrubbed
 
     def text(self, text: str) -> str:
         """``text`` with the process's secrets, credential shapes and URL passwords replaced."""
