@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.brokers import (
+    EVENT,
     HEADER_VALUE_LIMIT,
     LEFTOVERS,
     LEGIT_BODY,
@@ -88,6 +90,33 @@ async def test_hostile_messages_are_dead_lettered_with_their_reason_and_none_sta
         assert counted(container, "inbox_dead_letters_total", reason) == expected, reason
     logged = [r for r in caplog.records if "rejected and dead-lettered" in r.getMessage()]
     assert len(logged) == len(batch.messages)  # an entry with no readable id is logged as "?"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_signed_message_with_non_ascii_identifiers_is_processed_once(
+    start: Start, transport: str
+) -> None:
+    """Any language's letters in the message id, tenant and user are text like any other: the
+    signature verifies, the handler runs once, nothing is dead-lettered or left pending."""
+    container, observer = await start(transport)
+    message_id = "caf\u00e9-\u65e5\u672c"
+    headers = {
+        "x-message-id": message_id,
+        "x-event-name": EVENT,
+        "x-occurred-on": datetime.now(UTC).isoformat(),
+        "x-tenant-id": "m\u00fcller",
+        "x-user-id": "\u00e9lodie",
+    }
+    signed = container.signer().sign(headers, LEGIT_BODY)
+    await PUBLISH_RAW[transport](container, [Hostile("non-ascii-ids", LEGIT_BODY, signed, "", message_id)])
+    await eventually(lambda: len(observer.seen) == 1, timeout=30)
+    await asyncio.sleep(1.0)  # three redelivery delays: a second run would show
+    await container.worker().stop()
+    (seen,) = observer.seen
+    assert (seen["message_id"], seen["tenant"], seen["user"]) == (message_id, "m\u00fcller", "\u00e9lodie")
+    assert await effects_of(container) == ["consumed:99"]
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}
+    assert counted(container, "inbox_dead_letters_total", "internal_error") == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

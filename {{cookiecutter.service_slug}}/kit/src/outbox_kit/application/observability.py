@@ -70,6 +70,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import inspect
 import json
 import logging
 import sys
@@ -80,17 +81,20 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from outbox_kit.application.context import RequestContext, current_context
-from outbox_kit.application.text import escape_controls, mask_credentials
+from outbox_kit.application.scrubbing import Scrubber
+from outbox_kit.application.text import escape_controls
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import SpanProcessor
     from opentelemetry.trace import TracerProvider
+    from sentry_sdk.integrations import Integration
 
 Clock = Callable[[], datetime]
 
@@ -595,37 +599,56 @@ def otlp_processor() -> SpanProcessor:
 # Sentry (SENTRY__DSN, extra [sentry]): unhandled errors and ERROR log records sent as events, each
 # with the caller's tenant, user and correlation id, and nothing secret. Imported only when a DSN is set.
 
-# Keys whose values Sentry's scrubber replaces wherever they appear (request data, headers,
-# frame variables), beside its own defaults (authorization, password, secret, token, cookie...).
-SCRUBBED_KEYS = ("jwt_secret", "signing_keys", "dsn", "x-signature", "idempotency-key")
 
-
-def configure_error_tracking(*, dsn: str, environment: str, release: str | None, sample_rate: float) -> bool:
-    """Start sending errors to Sentry when ``dsn`` is set (once per process); ``False`` when off."""
+def configure_error_tracking(
+    *, dsn: str, environment: str, release: str | None, sample_rate: float, secrets: Iterable[str] = ()
+) -> bool:
+    """Start sending errors to Sentry when ``dsn`` is set (once per process); ``False`` when off.
+    Every event and breadcrumb is scrubbed first: ``secrets`` (the process's own, by value), any
+    credential by its shape, any value under a key that names a secret (:class:`Scrubber`)."""
     if not dsn:
         return False
     try:
         import sentry_sdk  # noqa: PLC0415 (optional dependency)
-        from sentry_sdk.scrubber import DEFAULT_DENYLIST, EventScrubber  # noqa: PLC0415
     except ImportError as missing:
         msg = "SENTRY__DSN needs the Sentry SDK: pip install '.[sentry]'"
         raise RuntimeError(msg) from missing
+    scrubber = Scrubber(secrets)
+    # The scrubbing is the kit's own, in the two hooks Sentry 2 and 3 both have (Sentry 3 has no
+    # sentry_sdk.scrubber). Sentry's Event and Breadcrumb are TypedDicts of their own: cast.
     sentry_sdk.init(
         dsn=dsn,
         environment=environment,
         release=release or None,
         sample_rate=sample_rate,
         traces_sample_rate=None,  # traces are OpenTelemetry's (TELEMETRY__TRACING)
-        # The SDK's default: no IP addresses, cookies or request bodies (personal data).
-        event_scrubber=EventScrubber(denylist=[*DEFAULT_DENYLIST, *SCRUBBED_KEYS], recursive=True),
-        before_send=cast("Any", with_request_context),  # Sentry's Event is a TypedDict of its own
+        before_send=cast("Any", partial(_reported, scrubber)),
+        before_breadcrumb=cast("Any", scrubber.event),
+        before_send_log=cast("Any", scrubber.event),  # none are sent (below); scrubbed if ever
+        integrations=[_log_records_as_events()],
     )
     return True
 
 
+def _log_records_as_events() -> Integration:
+    """ERROR records become events and INFO ones their breadcrumbs, on Sentry 2 and 3: Sentry 3
+    no longer enables this by default, and its ``level`` sends every record as a Sentry Log (past
+    ``before_send``) where Sentry 2's meant breadcrumbs."""
+    from sentry_sdk.integrations.logging import LoggingIntegration  # noqa: PLC0415
+
+    if "breadcrumb_level" in inspect.signature(LoggingIntegration).parameters:  # Sentry 3
+        return LoggingIntegration(level=None, event_level=logging.ERROR)
+    return LoggingIntegration(level=logging.INFO, event_level=logging.ERROR)
+
+
+def _reported(scrubber: Scrubber, event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
+    """What is sent of ``event``: with the caller's context, then scrubbed (the tags too)."""
+    return scrubber.event(with_request_context(event, hint))
+
+
 def with_request_context(event: dict[str, Any], hint: dict[str, Any]) -> dict[str, Any]:
     """The caller's tenant, user and correlation id on the event (the context of the request or
-    of the message being handled when it happened), and every URL password masked."""
+    of the message being handled when it happened)."""
     del hint
     context = current_context()
     tags = event.setdefault("tags", {})  # a request's own, set by tag_error_reports, come first
@@ -634,8 +657,7 @@ def with_request_context(event: dict[str, Any], hint: dict[str, Any]) -> dict[st
         tags.setdefault("tenant_id", context.tenant_id)
     if context.user_id and not event.get("user"):
         event["user"] = {"id": context.user_id}
-    masked: dict[str, Any] = _masked(event)
-    return masked
+    return event
 
 
 def tag_error_reports(context: RequestContext) -> None:
@@ -650,13 +672,3 @@ def tag_error_reports(context: RequestContext) -> None:
         scope.set_tag("tenant_id", context.tenant_id)
     if context.user_id:
         scope.set_user({"id": context.user_id})
-
-
-def _masked(value: Any) -> Any:  # noqa: ANN401 (any part of an event)
-    if isinstance(value, str):
-        return mask_credentials(value)
-    if isinstance(value, dict):
-        return {key: _masked(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_masked(item) for item in value]
-    return value

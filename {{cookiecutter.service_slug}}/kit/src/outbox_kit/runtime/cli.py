@@ -467,6 +467,7 @@ def login_name() -> str:
 
 def configure_error_tracking(settings: ServiceSettings) -> None:
     from outbox_kit.application import observability
+    from outbox_kit.runtime.settings import secret_values
 
     sentry = settings.sentry
     observability.configure_error_tracking(
@@ -474,6 +475,7 @@ def configure_error_tracking(settings: ServiceSettings) -> None:
         environment=sentry.environment or settings.environment.value,
         release=sentry.release,
         sample_rate=sentry.sample_rate,
+        secrets=secret_values(settings),  # replaced by value in every event
     )
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 from typing import Any, ClassVar, Self
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -388,3 +388,40 @@ class ServiceSettings(BaseSettings):
                 )
                 raise ValueError(msg)
         return self
+
+
+def secret_values(settings: BaseModel) -> set[str]:
+    """Every secret the settings hold, as text: each ``SecretStr`` (the JWT secret, each signing
+    key, the Sentry DSN) and the password of each URL (the databases', the bus's), percent-encoded
+    as written and decoded as a driver receives it. Error tracking replaces them wherever they
+    appear (``outbox_kit.application.scrubbing``)."""
+    found: set[str] = set()
+    _collect_secrets(settings, found)
+    return {secret for secret in found if secret}
+
+
+def _collect_secrets(value: object, found: set[str]) -> None:
+    if isinstance(value, SecretStr):
+        found.add(value.get_secret_value())
+        _collect_secrets(value.get_secret_value(), found)
+    elif isinstance(value, str):
+        found.update(_url_password(value))
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _collect_secrets(getattr(value, name), found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_secrets(item, found)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for item in value:
+            _collect_secrets(item, found)
+
+
+def _url_password(text: str) -> set[str]:
+    if "://" not in text:
+        return set()
+    try:
+        password = urlsplit(text).password
+    except ValueError:  # not a URL after all (an unbalanced IPv6 bracket, a bad port)
+        return set()
+    return {password, unquote(password)} if password else set()

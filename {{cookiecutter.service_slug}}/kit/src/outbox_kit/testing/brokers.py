@@ -25,8 +25,11 @@ from redis.asyncio import Redis
 
 from outbox_kit.consume.bus import FastStreamBus
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.fixtures import TEST_SIGNING_KEYS
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1
 from outbox_kit.transports.base import DeadLetterCopy
+from outbox_kit.transports.envelope import SIGNATURE
+from outbox_kit.transports.redis import Utf8BinaryMessageFormat
 
 
 def _bus(container: OutboxContainer) -> FastStreamBus:
@@ -109,6 +112,9 @@ def hostile_messages(container: OutboxContainer, transport: str) -> HostileBatch
     if transport == "rabbitmq":
         junk |= {"x-junk": NonUtf8LongString(b"\xff\xfe not UTF-8"), "x-bytes": bytearray(b"\x00\xff")}
     batch.add("junk-headers", LEGIT_BODY, "unsigned", signed=False, extra=junk)
+    # A known key id and a non-ASCII digest: a bad signature like any other (it once raised).
+    ((key_id, _),) = TEST_SIGNING_KEYS.items()
+    batch.add("non-ascii-signature", LEGIT_BODY, "bad_signature", extra={SIGNATURE: f"{key_id}:\u00e9\u00e9"})
     if transport == "rabbitmq":  # counters the broker writes; forged here
         batch.add("forged-x-death", LEGIT_BODY, "malformed_header", extra={"x-death": "garbage"})
         batch.add("forged-delivery-count", LEGIT_BODY, "malformed_header", extra={"x-delivery-count": "abc"})
@@ -160,8 +166,8 @@ async def publish_raw_redis(container: OutboxContainer, messages: list[Hostile])
         if message.label == "junk-headers":
             legacy = {"data": message.body.decode(), "headers": message.headers | {"x-nested": {"a": [1]}}}
             data = json.dumps(legacy).encode()
-        else:
-            data = await BinaryMessageFormatV1.encode(
+        else:  # the service's own format: FastStream's miscounts non-ASCII headers (redis.py)
+            data = await Utf8BinaryMessageFormat.encode(
                 message=message.body, reply_to=None, headers=message.headers, correlation_id="raw"
             )
         await client.xadd(stream, {"__data__": data})

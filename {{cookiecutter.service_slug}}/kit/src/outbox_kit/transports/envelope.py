@@ -203,9 +203,15 @@ class Signer:
         key = self._keys.get(kid)
         if not sep or key is None:
             raise RejectedMessageError(Rejection.BAD_SIGNATURE, f"unknown signing key id {kid!r}")
-        expected = hmac.new(key, _canonical(headers, body), hashlib.sha256).hexdigest()
-        if not hmac.compare_digest(expected, hex_digest):
+        expected = hmac.new(key, _canonical(headers, body), hashlib.sha256).hexdigest().encode()
+        # Bytes: compare_digest refuses a str with non-ASCII characters (TypeError), and a digest
+        # that is not hex is a bad signature like any other, not a handler failure to retry.
+        if not hmac.compare_digest(expected, hex_digest.encode()):
             raise RejectedMessageError(Rejection.BAD_SIGNATURE, "the signature does not match")
+
+    def __repr__(self) -> str:
+        """The key ids only: a signer is a frame variable of every verification (error reports)."""
+        return f"Signer(key_ids={sorted(self._keys)!r}, active={self._active!r})"
 
 
 def read_envelope(
