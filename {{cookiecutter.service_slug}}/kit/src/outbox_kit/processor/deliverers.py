@@ -12,7 +12,9 @@ What the outbox processor does with one claimed row.
   it does not handle leaves them to the host that does). An event declared
   ``handlers.record_only(...)`` is stamped quietly: it has no handler by design.
 * Integration-event rows: published through the message bus behind the circuit breaker; the
-  processed stamp is written only after the transport confirmed the publish.
+  processed stamp is written only after the transport confirmed the publish. The body is the
+  row's stored payload as canonical JSON (``transports.envelope.body_of``), never re-encoded
+  through the event's current class, so every copy of one row is byte-identical.
 
 Internal commands: deferred instructions to this service itself.
 
@@ -24,7 +26,6 @@ that same transaction: the command's effects happen exactly once."""
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 
@@ -38,7 +39,7 @@ from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, body_of
 
 log = logging.getLogger(__name__)
 OUTBOX_AUTHENTICATION = "outbox"
@@ -73,7 +74,10 @@ class OutboxDeliverer:
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered:
-        message = self._registry.load(row.name, row.payload)
+        # The payload as stored (upcast when its name is an old version's): what is published,
+        # byte for byte on every publish of the row; the class only checks it and names it.
+        name, payload = self._registry.upcast(row.name, row.payload)
+        message = self._registry.load(name, payload)
         context = row.captured_context()
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
             if row.kind == DOMAIN:
@@ -87,7 +91,7 @@ class OutboxDeliverer:
                 message_id=str(row.id),
                 event_name=message.message_name,
                 occurred_on=row.occurred_on,
-                body=json.dumps(self._registry.dump(message), separators=(",", ":")).encode(),
+                body=body_of(payload),
                 context=context,
                 ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
             )
