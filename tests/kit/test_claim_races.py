@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import random
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from datetime import datetime
 from typing import Any
 
@@ -31,12 +31,20 @@ from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX,
     OUTBOX_TABLE,
+    DeadLetterReplay,
 )
 from outbox_kit.processor.claim import (
     ClaimedRow,
 )
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.testing.fixtures import kit_container, make_settings
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    create_postgres_database,
+    drop_postgres_database,
+    kit_container,
+    make_settings,
+    run_async,
+)
 from outbox_kit.testing.harness import (
     FakeClock,
     ScriptedDeliverer,
@@ -69,18 +77,58 @@ def hold_trigger(table: sa.Table) -> str:
     EXECUTE FUNCTION test_hold_claim()"""
 
 
+@pytest.fixture(scope="session")
+def repeatable_read_url(migrate_database: Callable[[str], None]) -> Iterator[str]:
+    """A PostgreSQL database whose default isolation is REPEATABLE READ (a server or database
+    configured so): the service must still run READ COMMITTED on it, having set it itself."""
+    url = create_postgres_database()
+    migrate_database(url)
+    run_async(set_default_isolation(url))
+    yield url
+    drop_postgres_database(url)
+
+
+async def set_default_isolation(url: str) -> None:
+    engine = create_async_engine(SERVICE_URLS["postgres"], isolation_level="AUTOCOMMIT")
+    async with engine.connect() as connection:
+        name = url.rsplit("/", 1)[1]
+        await connection.exec_driver_sql(
+            f"ALTER DATABASE \"{name}\" SET default_transaction_isolation = 'repeatable read'"
+        )
+    await engine.dispose()
+
+
+async def empty_tables(url: str) -> None:
+    engine = create_async_engine(url)
+    async with engine.begin() as connection:
+        for table in (OUTBOX_TABLE, COMMAND_TABLE, DeadLetterReplay.__table__):  # type: ignore[attr-defined]
+            await connection.execute(table.delete())
+    await engine.dispose()
+
+
 @pytest.fixture
-async def pg_container(postgres_url: str) -> AsyncIterator[OutboxContainer]:
-    container = kit_container(make_settings(postgres_url))
+def race_url(request: pytest.FixtureRequest, postgres_url: str) -> str:
+    """The session database, or (``indirect`` parameter ``repeatable-read``) the one whose
+    default isolation is REPEATABLE READ."""
+    if getattr(request, "param", "default") == "repeatable-read":
+        url: str = request.getfixturevalue("repeatable_read_url")
+        run_async(empty_tables(url))
+        return url
+    return postgres_url
+
+
+@pytest.fixture
+async def pg_container(race_url: str) -> AsyncIterator[OutboxContainer]:
+    container = kit_container(make_settings(race_url))
     yield container
     await container.database().dispose()
 
 
 @pytest.fixture
-async def control(postgres_url: str) -> AsyncIterator[AsyncConnection]:
+async def control(race_url: str) -> AsyncIterator[AsyncConnection]:
     """A connection of the test's own, outside the service's pools: installs the trigger and
     holds the lock it waits for."""
-    engine = create_async_engine(postgres_url)
+    engine = create_async_engine(race_url)
     async with engine.connect() as plain:
         connection = await plain.execution_options(isolation_level="AUTOCOMMIT")
         for statement in (HOLD_CLAIM, *(hold_trigger(table) for table in TABLES)):
@@ -147,6 +195,7 @@ async def a_dead_head_and_its_successor(
 
 
 @pytest.mark.postgres
+@pytest.mark.parametrize("race_url", ["default", "repeatable-read"], indirect=True)
 @pytest.mark.parametrize("table", TABLES, ids=lambda table: table.name)
 async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_in_flight(
     pg_container: OutboxContainer, control: AsyncConnection, table: sa.Table
@@ -154,7 +203,11 @@ async def test_a_replay_committed_during_a_claim_never_puts_two_rows_of_one_key_
     """Replica A's claim takes its snapshot while seq 1 of key k is a dead letter, so seq 2 is
     the key's head. Before A commits, an operator replays seq 1, and replica B claims: in B's
     snapshot seq 1 is the head and A's lease on seq 2 is not visible yet. B must not take seq 1
-    while A takes seq 2."""
+    while A takes seq 2.
+
+    Also on a database whose default isolation is REPEATABLE READ: the service sets READ
+    COMMITTED itself, so the claims and the replay neither fail with a serialization error nor
+    miss each other's commits."""
     clock = FakeClock()
     container = pg_container
     dead, later = await a_dead_head_and_its_successor(container, table, clock.now)
@@ -372,3 +425,22 @@ async def test_a_stop_during_a_claim_that_hangs_ends_within_the_shutdown_timeout
     with pytest.raises(asyncio.CancelledError):
         await cycle
     assert asyncio.get_running_loop().time() - started < 2.5  # the deadline is 1 s
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("race_url", ["repeatable-read"], indirect=True)
+async def test_every_session_of_the_service_runs_read_committed_whatever_the_database_default(
+    pg_container: OutboxContainer, control: AsyncConnection
+) -> None:
+    """The claim's key guard and the replay gate rely on READ COMMITTED (each statement sees
+    what committed before it began); the service sets it rather than assume the server's
+    default: its sessions, its bookkeeping transactions and its autocommit statements."""
+    assert (await control.exec_driver_sql("SHOW transaction_isolation")).scalar_one() == "repeatable read"
+    database = pg_container.database()
+    show = sa.text("SHOW transaction_isolation")
+    async with database.session() as session:
+        assert (await session.exec(show)).scalar_one() == "read committed"  # type: ignore[call-overload]
+    async with database.bookkeeping() as connection:
+        assert (await connection.execute(show)).scalar_one() == "read committed"
+    async with database.bookkeeping_statement() as connection:
+        assert (await connection.execute(show)).scalar_one() == "read committed"

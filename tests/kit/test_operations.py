@@ -463,7 +463,7 @@ async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
     container: OutboxContainer,
 ) -> None:
     """Over a real HTTP server: the replay is recorded as the token's subject (not a name the
-    body chose), explain follows the row, and mistakes get 404/400/422 with the reason."""
+    body chose), explain follows the row, and mistakes get 404/409/422 with the reason."""
     (dead,) = await dead_letter(container, 1, tenant_id="acme")  # the token's tenant (admins are scoped)
     headers = {"Authorization": f"Bearer {token_for(container, user='ops-ann', roles=('outbox-admin',))}"}
     async with (
@@ -493,8 +493,8 @@ async def test_the_admin_api_lists_explains_and_replays_as_the_callers_identity(
     assert (replayed.json()["replayed"], replayed.json()["replayed_by"]) == ([str(dead)], "ops-ann")
     (audit,) = await fetch(container, sa.select(DeadLetterReplay.__table__))  # type: ignore[attr-defined]
     assert (audit.replayed_by, audit.message_count) == ("ops-ann", 1)
-    assert (again.status_code, unknown.status_code, bad_page.status_code) == (400, 404, 422)
-    assert "not dead-lettered" in again.json()["detail"]
+    assert (again.status_code, unknown.status_code, bad_page.status_code) == (409, 404, 422)
+    assert "nothing to replay: not dead-lettered" in again.json()["detail"]
     assert "no outbox row has id" in unknown.json()["detail"]
     assert bad_source.status_code == 422  # the schema names the two sources
     assert "'outbox' or 'internal_commands'" in bad_source.json()["detail"][0]["msg"]
@@ -507,3 +507,34 @@ def test_the_cli_records_the_operators_login_name_by_default() -> None:
         ["outbox", "replay", "--source", "outbox", str(uuid.uuid4())]
     )
     assert args.actor == f"cli:{getpass.getuser()}"
+
+
+async def test_concurrent_replays_of_one_row_replay_it_once_and_the_rest_answer_409(
+    container: OutboxContainer,
+) -> None:
+    """A dozen operators replay one dead letter at once over the real HTTP API: one of them
+    replays it (200, naming the row, one audit row); every other one replayed nothing and says
+    so (409, the reason, no audit row), never a 200 with an empty list."""
+    (dead,) = await dead_letter(container, 1, tenant_id="acme")
+    headers = {"Authorization": f"Bearer {token_for(container, user='ops-ann', roles=('outbox-admin',))}"}
+    async with (
+        live_server(container, with_worker=False) as base,
+        httpx.AsyncClient(base_url=base, headers=headers, timeout=60) as client,
+    ):
+        answers = await asyncio.gather(
+            *(client.post("/admin/outbox/dead-letters/replay", json={"ids": [str(dead)]}) for _ in range(12))
+        )
+        schema = (await client.get("/openapi.json")).json()
+
+    statuses = sorted(answer.status_code for answer in answers)
+    assert statuses == [200] + [409] * 11, [(a.status_code, a.text) for a in answers]
+    (replayed,) = [answer.json() for answer in answers if answer.status_code == 200]
+    assert replayed["replayed"] == [str(dead)]
+    for refused in (answer.json() for answer in answers if answer.status_code == 409):
+        assert refused["detail"].startswith("nothing to replay"), refused
+        assert str(dead) in refused["detail"]
+    audits = await fetch(container, sa.select(DeadLetterReplay.__table__))  # type: ignore[attr-defined]
+    assert [(audit.message_count, audit.message_ids) for audit in audits] == [(1, [str(dead)])]
+    assert (await state(container, dead)).dead_lettered_on is None
+    documented = schema["paths"]["/admin/outbox/dead-letters/replay"]["post"]["responses"]
+    assert "409" in documented

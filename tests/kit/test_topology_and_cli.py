@@ -260,6 +260,11 @@ async def test_the_outbox_cli_lists_explains_and_replays(container: OutboxContai
     assert explained["state"] == "dead_lettered"
     replayed = json.loads((await asyncio.to_thread(cli, url, "replay", "--actor", "ops", str(dead))).stdout)
     assert (replayed["replayed"], replayed["replayed_by"]) == ([str(dead)], "ops")
+    again = await asyncio.to_thread(cli, url, "replay", "--actor", "ops", str(dead))
+    assert again.returncode == 2, again.stderr
+    assert again.stderr.strip().splitlines() == [
+        f"error: nothing to replay: not dead-lettered (already replayed?): {dead}"
+    ]
     unknown = await asyncio.to_thread(cli, url, "explain", str(uuid.uuid4()))
     assert unknown.returncode == 2
     assert "no outbox row has id" in unknown.stderr

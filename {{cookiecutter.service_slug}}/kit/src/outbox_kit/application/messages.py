@@ -160,14 +160,23 @@ class MessageRegistry:
         # Domain events are dataclasses (the domain layer imports no pydantic).
         return cast("Payload", self._adapter(type(message)).dump_python(message, mode="json"))
 
+    def upcast(self, name: str, payload: Payload) -> tuple[str, Payload]:
+        """The current name and payload shape of a stored message, through the upcaster chain
+        (no upcaster for ``name``: ``name`` and ``payload`` themselves, not a copy)."""
+        current, payload, _steps = self._upcast(name, payload)
+        return current, payload
+
+    def _upcast(self, name: str, payload: Payload) -> tuple[str, Payload, int]:
+        steps = 0
+        while name in self._upcasters:
+            name, step = self._upcasters[name]
+            payload = step(dict(payload))
+            steps += 1
+        return name, payload, steps
+
     def load(self, name: str, payload: Payload) -> Message:
         """Rebuild a message from its stored name and payload, upcasting old versions."""
-        current = name
-        steps = 0
-        while current in self._upcasters:
-            current, upcast = self._upcasters[current]
-            payload = upcast(dict(payload))
-            steps += 1
+        current, payload, steps = self._upcast(name, payload)
         cls = self._classes.get(current)
         if cls is None:
             hint = f" (upcast from {name!r} in {steps} steps)" if steps else ""

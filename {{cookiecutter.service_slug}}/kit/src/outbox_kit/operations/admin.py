@@ -8,7 +8,9 @@ row is or is not moving is ``explain``'s.
 Replay returns dead letters to the pending pool with ``retry_count = 0`` and the lease cleared,
 keeps ``last_error`` (the first thing anyone asks after a replay) and keeps ``occurred_on`` and
 ``seq`` (the row keeps its place in its ordering key), and records who replayed how many, when.
-It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole request."""
+It is all-or-nothing: one unknown or not-dead-lettered id refuses the whole request. A replay
+that would replay nothing (the rows are no longer dead letters: a concurrent replay took them)
+is refused as such (``NothingToReplayError``, 409 on the admin API) and leaves no audit row."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from outbox_kit.operations.rows import (
     AdminError,
     DeadLetter,
     Explanation,
+    NothingToReplayError,
     PendingCount,
     ReplayResult,
     Targets,
@@ -109,6 +112,12 @@ class RelayAdministration:
             replayed_ids = await return_to_pending(
                 session, table, wanted, scope, gate_idle_timeout_seconds=idle
             )
+            missed = {str(i) for i in wanted} - set(replayed_ids)
+            if missed:
+                # A concurrent replay took them between the check above and the update: all or
+                # nothing, and no audit row for a replay that replayed nothing.
+                await session.rollback()
+                raise NothingToReplayError(sorted(missed))
             session.add(
                 DeadLetterReplay(
                     source=table.polled.name,  # the audit row is in the table's own source

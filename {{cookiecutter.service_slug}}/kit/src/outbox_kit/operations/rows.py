@@ -134,6 +134,16 @@ class RowNotFoundError(AdminError):
     """The id names no row of the source (the admin API answers 404)."""
 
 
+class NothingToReplayError(AdminError):
+    """A replay would return nothing to the pending pool: a row it names is not (or no longer)
+    dead-lettered, already replayed by someone else, say (the admin API answers 409)."""
+
+    def __init__(self, ids: Sequence[str]) -> None:
+        super().__init__(
+            f"nothing to replay: not dead-lettered (already replayed?): {', '.join(sorted(ids))}"
+        )
+
+
 @dataclass(frozen=True)
 class Target:
     """One polled table of one source, by the name operators use for it (``outbox``,
@@ -335,8 +345,7 @@ async def refuse_unless_replayable(
         raise RowNotFoundError(msg)
     alive = [str(i) for i in wanted if states[i] is None]
     if alive:
-        msg = f"not dead-lettered (nothing to replay): {', '.join(alive)}"
-        raise AdminError(msg)
+        raise NothingToReplayError(alive)
 
 
 async def return_to_pending(

@@ -242,6 +242,9 @@ def guard_engine(engine: Engine) -> None:
 log = logging.getLogger(__name__)
 
 
+# The isolation every PostgreSQL transaction of the service runs at (see ``_postgres_connect_args``).
+READ_COMMITTED = "read committed"
+
 # A pooled connection idle longer than this is pinged before it is handed out (see below).
 PING_AFTER_IDLE_SECONDS = 2.0
 
@@ -349,7 +352,16 @@ class Database:
         return {}
 
     def _postgres_connect_args(self, server_settings: dict[str, str]) -> dict[str, Any]:
-        """asyncpg's time limits (see the module docstring) and ``server_settings``."""
+        """asyncpg's time limits (see the module docstring), the isolation level and
+        ``server_settings``.
+
+        Every transaction runs READ COMMITTED, set here rather than assumed from the server:
+        the claim's key guard, the replay gate and the inbox rely on each statement seeing what
+        committed before it began, and on an update re-checking a row another transaction just
+        changed. Under a server or database whose default is REPEATABLE READ, a claim racing a
+        replay would fail with a serialization error instead. A connection startup setting
+        covers every statement of the connection (ORM sessions, the bookkeeping transactions and
+        the autocommit statements alike) at no extra round trip."""
         settings = self.settings
         statement_ms = max(1, int(settings.statement_timeout_seconds * 1000))
         if self.schema is not None:
@@ -357,7 +369,11 @@ class Database:
         return {
             "timeout": settings.connect_timeout_seconds,
             "command_timeout": settings.client_timeout_seconds,
-            "server_settings": {"statement_timeout": f"{statement_ms}ms", **server_settings},
+            "server_settings": {
+                "statement_timeout": f"{statement_ms}ms",
+                "default_transaction_isolation": READ_COMMITTED,
+                **server_settings,
+            },
         }
 
     def _create_bookkeeping_engine(self) -> AsyncEngine:

@@ -14,6 +14,8 @@ What the outbox processor does with one claimed row.
 * Integration-event rows: published through the message bus behind the circuit breaker; the
   processed stamp is written only after the transport confirmed the publish. A publish no
   consumer was bound to take comes back :class:`Unrouted`: a delivery to nobody, stamped too.
+  The body is the row's stored payload as canonical JSON (``transports.envelope.body_of``),
+  never re-encoded through the event's current class, so every copy of one row is byte-identical.
 
 Internal commands: deferred instructions to this service itself.
 
@@ -25,7 +27,6 @@ that same transaction: the command's effects happen exactly once."""
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 
@@ -39,7 +40,7 @@ from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus, Unrouted
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, body_of
 
 log = logging.getLogger(__name__)
 OUTBOX_AUTHENTICATION = "outbox"
@@ -74,7 +75,10 @@ class OutboxDeliverer:
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
-        message = self._registry.load(row.name, row.payload)
+        # The payload as stored (upcast when its name is an old version's): what is published,
+        # byte for byte on every publish of the row; the class only checks it and names it.
+        name, payload = self._registry.upcast(row.name, row.payload)
+        message = self._registry.load(name, payload)
         context = row.captured_context()
         with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
             if row.kind == DOMAIN:
@@ -88,7 +92,7 @@ class OutboxDeliverer:
                 message_id=str(row.id),
                 event_name=message.message_name,
                 occurred_on=row.occurred_on,
-                body=json.dumps(self._registry.dump(message), separators=(",", ":")).encode(),
+                body=body_of(payload),
                 context=context,
                 ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
             )

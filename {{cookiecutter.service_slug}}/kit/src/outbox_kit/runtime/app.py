@@ -76,6 +76,7 @@ from outbox_kit.operations.rows import (
     MAX_OFFSET,
     MAX_PAGE,
     AdminError,
+    NothingToReplayError,
     RowNotFoundError,
     Targets,
     TenantScope,
@@ -418,7 +419,11 @@ Service = Annotated[RelayAdministration, Depends(administration)]
 
 
 def fail(error: AdminError) -> HTTPException:
-    status = 404 if isinstance(error, RowNotFoundError) else 400
+    status = 400
+    if isinstance(error, RowNotFoundError):
+        status = 404
+    elif isinstance(error, NothingToReplayError):
+        status = 409  # the rows' state, not the request, is why: already replayed, say
     return HTTPException(status_code=status, detail=str(error))
 
 
@@ -460,7 +465,7 @@ def _add_dead_letter_routes(router: APIRouter, Admin: Any, Selection: Any, Repla
         except AdminError as error:
             raise fail(error) from error
 
-    @router.post("/dead-letters/replay", responses=error_responses(404))
+    @router.post("/dead-letters/replay", responses=error_responses(404, 409))
     async def replay(body: Replay, admin: Admin, service: Service) -> dict[str, Any]:
         try:
             actor = admin.context.user_id or "unknown"

@@ -32,7 +32,6 @@ transport with the outbox explicitly off is refused at start-up."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.observability import Clock
 from outbox_kit.domain import utc_now
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, body_of
 
 
 class Delivered(Enum):
@@ -181,7 +180,7 @@ class DirectPublisher:
             message_id=str(uuid.uuid4()),
             event_name=event.message_name,
             occurred_on=getattr(event, "occurred_on", None) or utc_now(),
-            body=json.dumps(self._registry.dump(event), separators=(",", ":")).encode(),
+            body=body_of(self._registry.dump(event)),
             context=capture_context(),
             ordering_key=event.ordering_key(),
         )

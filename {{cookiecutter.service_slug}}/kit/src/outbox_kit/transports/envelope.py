@@ -116,6 +116,18 @@ LIMITS = {
 }
 
 
+def body_of(payload: Mapping[str, object]) -> bytes:
+    """The body a message travels with: its payload as canonical JSON (keys sorted, no spaces).
+
+    Computed from the stored payload as it is, never re-encoded through the event's class: a
+    class that changed between two publishes of one row (an optional field added, a default
+    changed) would make the copies differ, and the consumer's inbox, which compares the body's
+    digest, would take the second copy for a conflict. Canonical, because PostgreSQL's JSONB
+    keeps neither key order nor spacing: the body of a row is the same on every publish, on
+    SQLite and on PostgreSQL."""
+    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
 @dataclass(frozen=True)
 class Envelope:
     """An integration event ready for (or just received from) a transport."""
