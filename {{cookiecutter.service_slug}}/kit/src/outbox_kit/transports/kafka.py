@@ -75,6 +75,7 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.message import KafkaMessage as KafkaMessageType
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
+from faststream.message import AckStatus
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
@@ -232,7 +233,20 @@ class KafkaDelivery(ReceivedMessage):
         except BaseException:
             await self._message.nack()
             raise
-        await self._message.ack()
+        await self._pass_over()
+
+    async def _pass_over(self) -> None:
+        """Commit past the record now that its retry copy is on the retry topic. FastStream's
+        ``ack`` does nothing once the message was nacked, which a refused dead-letter copy does
+        (the wrapper then hands the message back here): the record, sought back to, was read
+        again with its old ``x-attempt`` beside its copy, so the handler ran past the limit and
+        the copies multiplied. So a nacked record is sought past, then committed."""
+        if self._message.committed is not AckStatus.NACKED:
+            await self._message.ack()
+            return
+        record = self._message.raw_message
+        self._message.consumer.seek(TopicPartition(record.topic, record.partition), record.offset + 1)
+        await self._message.consumer.commit()  # every consumed position, this one's now past it
 
     async def dead_letter(self, error: str, attempt: int) -> None:
         copied, essentials = dead_letter_headers(self.headers, error, attempt, self._topic)
