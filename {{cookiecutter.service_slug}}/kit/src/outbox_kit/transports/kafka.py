@@ -30,7 +30,9 @@ wrapper rejects or handles the record like any other.
 Kafka commits offsets, not messages: once a later message of the partition is committed, an
 earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
 published (the broker is failing), the consumer seeks back to the message (``nack``) before the
-error propagates, and reads it again instead of moving past it.
+error propagates, and reads it again instead of moving past it. A refused dead-letter copy is
+then handed back by the wrapper as a retry copy; once that copy is on the retry topic the record
+is committed past all the same, or it would be read again beside its copy (``_pass_over``).
 
 Topics are declared at start-up like every other broker's topology: the service's published
 topics and, per consumer, its topic, ``<group>.retry`` and ``<group>.dlq``, each created only if
