@@ -8,13 +8,14 @@ specifics (topics, commits, partitions) are in tests/integration/test_kafka.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -38,11 +39,13 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,
 )
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.testing.brokers import LEFTOVERS
 from outbox_kit.testing.fixtures import (
     SERVICE_URLS,
     acting_as,
     eventually,
     fresh_sqlite,
+    kafka_broker_of_its_own,
     kit_container,
     make_settings,
 )
@@ -441,10 +444,33 @@ LOCAL_BROKERS = [
 ]
 
 
-async def refuse_dead_letters(container: OutboxContainer, transport: str, *, refuse: bool) -> None:
+SCHEMAS = "schemas"
+# A schema tansu checks each record ({"key": ..., "value": ...}) against: no record has no value.
+REFUSE_EVERY_RECORD = {"type": "object", "properties": {"value": False}}
+
+
+@pytest.fixture
+def validating_kafka(tmp_path: Path) -> Iterator[Callable[[], str]]:
+    """The address of a Kafka-protocol broker of the test's own that checks each produced record
+    against ``<tmp_path>/schemas/<topic>.json``, started at the first call. Request it before
+    ``start``: it then stops after the test's containers."""
+    (tmp_path / SCHEMAS).mkdir()
+    with contextlib.ExitStack() as running:
+
+        def address() -> str:
+            port = running.enter_context(kafka_broker_of_its_own(tmp_path, schemas=SCHEMAS))
+            return f"127.0.0.1:{port}"
+
+        yield address
+
+
+async def refuse_dead_letters(
+    container: OutboxContainer, transport: str, *, refuse: bool, home: Path | None = None
+) -> None:
     """Take the consumer's dead-letter destination away (every copy is refused) or give it back:
     RabbitMQ's queue deleted (NO_ROUTE), NATS's stream deleted (no stream answers), Redis's
-    stream key holding a string (WRONGTYPE)."""
+    stream key holding a string (WRONGTYPE), Kafka's topic given a schema no record meets (the
+    broker of :func:`validating_kafka`, whose ``home`` is given, refuses each produce to it)."""
     bus = container.bus()
     names = bus.names  # type: ignore[attr-defined]
     if transport == "rabbitmq":
@@ -466,6 +492,13 @@ async def refuse_dead_letters(container: OutboxContainer, transport: str, *, ref
             await js.delete_stream(stream)
         else:
             await ensure_stream(js, stream, [f"dlq.{names.queue('')}>"])
+    elif transport == "kafka":
+        assert home is not None
+        schema = home / SCHEMAS / f"{names.dead_letters(CONSUMER)}.json"
+        if refuse:
+            schema.write_text(json.dumps(REFUSE_EVERY_RECORD))
+        else:
+            schema.unlink()
     else:
         client = bus.broker.config.connection.client  # type: ignore[attr-defined]
         if refuse:
@@ -474,44 +507,54 @@ async def refuse_dead_letters(container: OutboxContainer, transport: str, *, ref
             await client.delete(names.dead_letters(CONSUMER))
 
 
-@pytest.mark.parametrize("transport", LOCAL_BROKERS)
+@pytest.mark.parametrize("transport", [*LOCAL_BROKERS, pytest.param("kafka", marks=pytest.mark.kafka)])
 async def test_a_failed_message_whose_dead_letter_copy_is_refused_ends_dead_lettered_once_it_is_taken(
-    start: Start, transport: str, caplog: pytest.LogCaptureFixture
+    validating_kafka: Callable[[], str],
+    start: Start,
+    transport: str,
+    caplog: pytest.LogCaptureFixture,
+    tmp_path: Path,
 ) -> None:
     """Issue 34: the dead-letter destination is gone while a failing message uses its attempts.
     Each refused copy hands the message back to the broker; NATS used to stop redelivering after
-    ``max_deliver`` (the limit plus two) and the message was lost. Now it is handed back for as
-    long as its copy is refused, without running the handler again, and once the destination is
-    back it ends there: one copy with the handler's error, after exactly the limit of runs."""
+    ``max_deliver`` (the limit plus two) and the message was lost. Kafka's hand-back published a
+    retry copy but, the record having been sought back to, read the record again too: the
+    handler ran past the limit and the copies multiplied. Now it is handed back for as long as
+    its copy is refused, without running the handler again, and once the destination is back it
+    ends there: one copy with the handler's error, after exactly the limit of runs."""
     caplog.set_level(logging.ERROR, logger="outbox_kit.consume.subscribers")
-    container, observer = await start(transport, failures=-1)
+    bus = {"url": validating_kafka()} if transport == "kafka" else {}
+    container, observer = await start(transport, failures=-1, message_bus=bus)
 
     def refusals() -> int:
         return sum("could not be dead-lettered" in record.getMessage() for record in caplog.records)
 
-    await refuse_dead_letters(container, transport, refuse=True)
+    await refuse_dead_letters(container, transport, refuse=True, home=tmp_path)
     message = envelope(3)
     await container.bus().publish(message)
     # Past the limit plus two deliveries, where JetStream used to give up on it.
     await eventually(lambda: refusals() >= 5, timeout=90)
     assert len(observer.seen) == 3, "the handler ran again past MESSAGE_BUS__MAX_DELIVERY_ATTEMPTS"
-    await refuse_dead_letters(container, transport, refuse=False)
+    await refuse_dead_letters(container, transport, refuse=False, home=tmp_path)
     letters: list[Any] = []
     deadline = time.monotonic() + 90
     while not letters and time.monotonic() < deadline:
         letters = await container.bus().dead_letters(CONSUMER)
         await asyncio.sleep(0.2)
+    refused = refusals()
     await asyncio.sleep(3.0)  # a few more redelivery delays: nothing else may arrive
     later = await container.bus().dead_letters(CONSUMER)
     letters = letters + later if transport == "rabbitmq" else later  # RabbitMQ's are consumed when read
     assert [letter.headers["x-message-id"] for letter in letters] == [message.message_id]
     assert letters[0].error.startswith("RuntimeError: observer failure"), letters[0].error
     assert len(observer.seen) == 3
+    assert refusals() == refused, "another copy of the message was still going round"
     counted = container.metrics().registry.get_sample_value(
         "inbox_dead_letters_total", {"consumer": CONSUMER, "reason": "handler_failed"}
     )
     assert counted == 1.0
     assert await effects_of(container) == []
+    assert set((await LEFTOVERS[transport](container)).values()) == {0}  # nothing unacknowledged
 
 
 @pytest.mark.parametrize("transport", LOCAL_BROKERS)

@@ -10,25 +10,19 @@ Kafka-protocol broker of its own (``tansu``, from ``TANSU_BIN`` or the ``PATH``)
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import shutil
-import socket
-import subprocess
-import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from outbox_kit.testing.fixtures import (
-    REQUIRE_SERVICES,
     SERVICE_URLS,
     ContainerFactory,
     free_port,
+    kafka_broker_of_its_own,
     live_server,
 )
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
@@ -112,54 +106,6 @@ async def test_readyz_answers_503_within_its_limit_while_the_broker_line_is_sile
         await black_hole_and_back(make_container, transport, proxy, through(proxy, SERVICE_URLS[transport]))
 
 
-def tansu_binary() -> str | None:
-    return os.environ.get("TANSU_BIN") or shutil.which("tansu")
-
-
-@contextmanager
-def kafka_broker_advertising(advertised_port: int, tmp_path: Path) -> Iterator[int]:
-    """A Kafka-protocol broker of this test's own, listening on a free port and advertising
-    ``advertised_port`` (where the proxy listens); yields its listening port."""
-    binary = tansu_binary()
-    if binary is None:
-        message = "no Kafka-protocol broker to place behind the proxy (set TANSU_BIN)"
-        if REQUIRE_SERVICES:
-            pytest.fail(f"{message} and REQUIRE_SERVICES=1")
-        pytest.skip(message)
-    port = free_port()
-    with (tmp_path / "tansu.log").open("w") as log:
-        broker = subprocess.Popen(
-            [
-                binary,
-                "broker",
-                "--listener-url",
-                f"tcp://127.0.0.1:{port}",
-                "--advertised-listener-url",
-                f"tcp://127.0.0.1:{advertised_port}",
-                "--storage-engine",
-                "memory://tansu/",
-            ],
-            stdout=log,
-            stderr=log,
-        )
-    try:
-        listening(port, broker, tmp_path / "tansu.log")
-        yield port
-    finally:
-        broker.terminate()
-        broker.wait(timeout=30)
-
-
-def listening(port: int, broker: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert broker.poll() is None, log.read_text()
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the Kafka-protocol broker did not listen in 30 s: {log.read_text()}")
-
-
 @asynccontextmanager
 async def proxy_on(port: int, target_port: int) -> AsyncIterator[TcpProxy]:
     proxy = TcpProxy("127.0.0.1", target_port)
@@ -176,6 +122,6 @@ async def test_readyz_answers_503_within_its_limit_while_the_kafka_line_is_silen
     make_container: ContainerFactory, tmp_path: Path
 ) -> None:
     advertised = free_port()
-    with kafka_broker_advertising(advertised, tmp_path) as listening:
+    with kafka_broker_of_its_own(tmp_path, advertised_port=advertised) as listening:
         async with proxy_on(advertised, listening) as proxy:
             await black_hole_and_back(make_container, "kafka", proxy, f"127.0.0.1:{proxy.port}")

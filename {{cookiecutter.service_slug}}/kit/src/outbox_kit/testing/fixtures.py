@@ -24,6 +24,7 @@ fresh database gets its tables: the kit's models here, a service's migrations th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import os
 import shutil
@@ -544,6 +545,68 @@ async def until_answering(url: str, process: subprocess.Popen[str], timeout: flo
                 pass
             await asyncio.sleep(0.1)
     msg = f"{url} did not answer 200 within {timeout} s"
+    raise AssertionError(msg)
+
+
+def tansu_binary() -> str | None:
+    """The Kafka-protocol broker a test starts of its own: ``TANSU_BIN``, else ``tansu`` on the PATH."""
+    return os.environ.get("TANSU_BIN") or shutil.which("tansu")
+
+
+@contextmanager
+def kafka_broker_of_its_own(
+    home: Path, *, advertised_port: int | None = None, schemas: str | None = None
+) -> Iterator[int]:
+    """A Kafka-protocol broker (tansu, in memory) of the test's own, for what the shared one
+    cannot do; yields the port it listens on, its log in ``home``. ``advertised_port``: the
+    address it gives clients (a proxy's, which Kafka clients then follow) instead of its own.
+    ``schemas``: a folder in ``home`` of ``<topic>.json`` JSON schemas (``{"properties":
+    {"key": ..., "value": ...}}``) that the broker checks each produced record against, read at
+    each produce: writing or removing one takes effect at once. Skipped without a tansu (failed
+    under ``REQUIRE_SERVICES=1``)."""
+    binary = tansu_binary()
+    if binary is None:
+        message = "no Kafka-protocol broker of the test's own (set TANSU_BIN)"
+        if REQUIRE_SERVICES:
+            pytest.fail(f"{message} and REQUIRE_SERVICES=1")
+        pytest.skip(message)
+    port = free_port()
+    options = ["--schema-registry", f"file://./{schemas}"] if schemas else []  # read from cwd
+    log = home / "tansu.log"
+    with log.open("w") as output:
+        broker = subprocess.Popen(  # noqa: S603 (the test's own broker binary and arguments)
+            [
+                binary,
+                "broker",
+                "--listener-url",
+                f"tcp://127.0.0.1:{port}",
+                "--advertised-listener-url",
+                f"tcp://127.0.0.1:{advertised_port or port}",
+                "--storage-engine",
+                "memory://tansu/",
+                *options,
+            ],
+            cwd=home,
+            stdout=output,
+            stderr=output,
+        )
+    try:
+        _listening(port, broker, log)
+        yield port
+    finally:
+        broker.terminate()
+        broker.wait(timeout=30)
+
+
+def _listening(port: int, broker: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if broker.poll() is not None:
+            raise AssertionError(log.read_text())
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        time.sleep(0.1)
+    msg = f"the Kafka-protocol broker did not listen in 30 s: {log.read_text()}"
     raise AssertionError(msg)
 
 

@@ -30,7 +30,9 @@ wrapper rejects or handles the record like any other.
 Kafka commits offsets, not messages: once a later message of the partition is committed, an
 earlier one that was never acknowledged is gone. So when the retry or dead-letter copy cannot be
 published (the broker is failing), the consumer seeks back to the message (``nack``) before the
-error propagates, and reads it again instead of moving past it.
+error propagates, and reads it again instead of moving past it. A refused dead-letter copy is
+then handed back by the wrapper as a retry copy; once that copy is on the retry topic the record
+is committed past all the same, or it would be read again beside its copy (``_pass_over``).
 
 Topics are declared at start-up like every other broker's topology: the service's published
 topics and, per consumer, its topic, ``<group>.retry`` and ``<group>.dlq``, each created only if
@@ -75,6 +77,7 @@ from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
 from faststream.kafka.message import KafkaMessage as KafkaMessageType
 from faststream.kafka.prometheus import KafkaPrometheusMiddleware
+from faststream.message import AckStatus
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
@@ -232,7 +235,20 @@ class KafkaDelivery(ReceivedMessage):
         except BaseException:
             await self._message.nack()
             raise
-        await self._message.ack()
+        await self._pass_over()
+
+    async def _pass_over(self) -> None:
+        """Commit past the record now that its retry copy is on the retry topic. FastStream's
+        ``ack`` does nothing once the message was nacked, which a refused dead-letter copy does
+        (the wrapper then hands the message back here): the record, sought back to, was read
+        again with its old ``x-attempt`` beside its copy, so the handler ran past the limit and
+        the copies multiplied. So a nacked record is sought past, then committed."""
+        if self._message.committed is not AckStatus.NACKED:
+            await self._message.ack()
+            return
+        record = self._message.raw_message
+        self._message.consumer.seek(TopicPartition(record.topic, record.partition), record.offset + 1)
+        await self._message.consumer.commit()  # every consumed position, this one's now past it
 
     async def dead_letter(self, error: str, attempt: int) -> None:
         copied, essentials = dead_letter_headers(self.headers, error, attempt, self._topic)
