@@ -707,6 +707,44 @@ async def test_an_unroutable_rabbitmq_publish_is_kept_in_the_unrouted_queue_not_
 
 
 @pytest.mark.rabbitmq
+async def test_the_unrouted_queue_keeps_only_the_newest_copies(sqlite_url: str) -> None:
+    """A contract published for weeks before its first consumer must not fill the broker:
+    ``<namespace>.unrouted`` keeps the newest ``MESSAGE_BUS__UNROUTED_MAX_MESSAGES`` copies, the
+    oldest dropped first."""
+    import aio_pika
+
+    settings = make_settings(
+        sqlite_url,
+        application={"namespace": f"t{uuid.uuid4().hex[:10]}"},
+        message_bus={"transport": "rabbitmq", "url": SERVICE_URLS["rabbitmq"], "unrouted_max_messages": 2},
+    )
+    container = kit_container(settings)
+    await install_kit(container)
+    bus = container.bus()
+    await bus.start()
+    orphans = [
+        Envelope(e.message_id, "kit.nobody-listens.v1", e.occurred_on, e.body, e.context)
+        for e in (envelope(41), envelope(42), envelope(43))
+    ]
+    try:
+        for orphan in orphans:
+            assert await bus.publish(orphan) is not None  # unrouted, kept
+        connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+        async with connection:
+            channel = await connection.channel()
+            queue = await channel.get_queue(bus.names.unrouted(), ensure=False)  # type: ignore[attr-defined]
+            kept = []
+            while (message := await queue.get(timeout=5, fail=False)) is not None:
+                kept.append(message.headers["x-message-id"])
+                await message.ack()
+        assert kept == [orphans[1].message_id, orphans[2].message_id]
+    finally:
+        await bus.stop()
+        await bus.delete_topology()  # type: ignore[attr-defined]
+        await container.database().dispose()
+
+
+@pytest.mark.rabbitmq
 async def test_rabbitmq_publishes_are_persistent_with_the_message_id(sqlite_url: str) -> None:
     """What reaches the quorum queue is a persistent message (delivery mode 2: it survives a
     broker restart) with the outbox row id as its AMQP message id; read raw with aio-pika."""

@@ -167,3 +167,20 @@ async def the_publishes_are_reported_unrouted(
     explained = await publisher.admin().explain("outbox", str(first.id))
     assert explained.state == "unrouted"
     assert "published with no subscriber bound (unrouted)" in explained.detail
+
+
+async def test_a_look_up_that_fails_after_an_accepted_publish_never_fails_it() -> None:
+    """Redis and NATS ask whether anyone reads a destination after the broker accepted the
+    publish: a look-up that fails says "routed" (the publish stands; failing it would publish
+    the row again), one that finds nobody says Unrouted."""
+    from outbox_kit.transports.base import KnownConsumers
+
+    async def broken() -> bool:
+        raise ConnectionError("the look-up lost its connection")
+
+    async def nobody() -> bool:
+        return False
+
+    known = KnownConsumers()
+    assert await known.unrouted("stream", broken, "nobody reads it") is None
+    assert await known.unrouted("stream", nobody, "nobody reads it") is not None

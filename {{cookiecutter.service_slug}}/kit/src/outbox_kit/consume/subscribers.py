@@ -207,23 +207,31 @@ class ConsumeWrapper:
             # Every line about the message carries its correlation id and tenant (see the module).
             with claimed_context(delivery.headers):
                 log.info("%s: received message %s", consumer.name, delivery.message_id)
-                await self._handle_to_the_end(consumer, delivery)
-                log.info("%s: processed message %s", consumer.name, delivery.message_id)
+                if await self._handle_to_the_end(consumer, delivery):
+                    log.info("%s: processed message %s", consumer.name, delivery.message_id)
+                else:  # the line before this one says what became of it
+                    log.info("%s: done with message %s after a failure", consumer.name, delivery.message_id)
 
         return handle
 
-    async def _handle_to_the_end(self, consumer: Consumer[Any], delivery: BrokerDelivery) -> None:
+    async def _handle_to_the_end(self, consumer: Consumer[Any], delivery: BrokerDelivery) -> bool:
+        """True when the pipeline took the message (processed, or a duplicate skipped); False
+        when it failed and was ended otherwise (retried, handed back or dead-lettered)."""
         attempt: int | None = None
         try:
             attempt = await delivery.attempt()
-            await self._handle(consumer, delivery, attempt)
+            return await self._handle(consumer, delivery, attempt)
         except RejectedMessageError as rejected:  # the counters were unreadable
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
             await self._end(consumer, delivery, rejected, attempt)
+            return False
         except Exception as error:  # noqa: BLE001 (the last resort: see the module)
             await self._end(consumer, delivery, error, attempt)
+            return False
 
-    async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> None:
+    async def _handle(self, consumer: Consumer[Any], delivery: BrokerDelivery, attempt: int) -> bool:
+        """True when the pipeline took the message and it was acknowledged; False when it was
+        retried, handed back or dead-lettered here."""
         if attempt > self._settings.max_delivery_attempts:
             recorded = self._refused.recall((consumer.name, delivery.message_id))
             if recorded is not None:  # handed back earlier: its copy was refused, not the handler run
@@ -236,14 +244,14 @@ class ConsumeWrapper:
                     attempt,
                     recorded.error,
                 )
-                return
+                return False
             await delivery.dead_letter(CRASH_GUARD_ERROR, attempt)
             self._metrics.inbox_rejected.labels(consumer.name, "attempts_exhausted").inc()
             self._metrics.inbox_dead_letters.labels(consumer.name, "crash_guard").inc()
             log.error(
                 "%s: message %s dead-lettered: %s", consumer.name, delivery.message_id, CRASH_GUARD_ERROR
             )
-            return
+            return False
         try:
             async with keep_alive(delivery):
                 await consume_through_database_outages(
@@ -255,11 +263,12 @@ class ConsumeWrapper:
                 )
         except RejectedMessageError as rejected:
             await self._dead_letter_rejected(consumer, delivery, rejected, attempt)
-            return
+            return False
         except Exception as error:  # noqa: BLE001 (the handler's failure, retried or dead-lettered)
             await self._fail(consumer, delivery, error, attempt, reason=HANDLER_FAILED)
-            return
+            return False
         await delivery.ack()
+        return True
 
     async def _dead_letter_rejected(
         self, consumer: Consumer[Any], delivery: BrokerDelivery, rejected: RejectedMessageError, attempt: int

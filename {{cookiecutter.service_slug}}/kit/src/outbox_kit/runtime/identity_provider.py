@@ -45,7 +45,8 @@ REFETCH_SECONDS = 1.0
 MAX_DOCUMENT_BYTES = 1 << 20
 _CHUNK_BYTES = 1 << 16
 SIGNING_USES = frozenset({None, "sig"})
-_FETCH_ERRORS = (jwt.PyJWKSetError, OSError, ValueError, http.client.HTTPException)
+# RecursionError: a document nested deeper than json can read (well within the size cap).
+_FETCH_ERRORS = (jwt.PyJWKSetError, OSError, ValueError, RecursionError, http.client.HTTPException)
 
 
 class InvalidTokenError(ValueError):

@@ -28,7 +28,7 @@ from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import TEST_SIGNING_KEYS
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1
 from outbox_kit.transports.base import DeadLetterCopy
-from outbox_kit.transports.envelope import SIGNATURE
+from outbox_kit.transports.envelope import SIGNATURE, USER_ROLES
 from outbox_kit.transports.redis import Utf8BinaryMessageFormat
 
 
@@ -89,13 +89,15 @@ class HostileBatch:
         *,
         signed: bool = True,
         extra: dict[str, Any] | None = None,
+        context: dict[str, str] | None = None,
     ) -> None:
+        """``extra`` headers are added after signing (forged), ``context`` ones before (signed)."""
         message_id = f"{label}-{uuid.uuid4().hex[:8]}"
         headers = {
             "x-message-id": message_id,
             "x-event-name": EVENT,
             "x-occurred-on": datetime.now(UTC).isoformat(),
-        }
+        } | (context or {})
         if signed:
             headers = self.container.signer().sign(headers, body)
         self.messages.append(Hostile(label, body, headers | (extra or {}), reason, message_id))
@@ -115,6 +117,10 @@ def hostile_messages(container: OutboxContainer, transport: str) -> HostileBatch
     # A known key id and a non-ASCII digest: a bad signature like any other (it once raised).
     ((key_id, _),) = TEST_SIGNING_KEYS.items()
     batch.add("non-ascii-signature", LEGIT_BODY, "bad_signature", extra={SIGNATURE: f"{key_id}:\u00e9\u00e9"})
+    # Signed by another producer: roles the stored, comma-joined form would change are refused at
+    # the door, not by the consumer's commit after the handler ran (retried, then dead-lettered).
+    roles = {USER_ROLES: "clerk, admin"}
+    batch.add("roles-storage-would-change", LEGIT_BODY, "malformed_header", context=roles)
     if transport == "rabbitmq":  # counters the broker writes; forged here
         batch.add("forged-x-death", LEGIT_BODY, "malformed_header", extra={"x-death": "garbage"})
         batch.add("forged-delivery-count", LEGIT_BODY, "malformed_header", extra={"x-delivery-count": "abc"})

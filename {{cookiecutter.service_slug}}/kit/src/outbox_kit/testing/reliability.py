@@ -1103,8 +1103,8 @@ MUTATIONS: tuple[Mutation, ...] = (
             ),
             Edit(
                 f"{KIT}/consume/subscribers.py",
-                "reason=HANDLER_FAILED)\n            return\n        await delivery.ack()\n",
-                "reason=HANDLER_FAILED)\n            return\n",
+                "reason=HANDLER_FAILED)\n            return False\n        await delivery.ack()\n",
+                "reason=HANDLER_FAILED)\n            return False\n",
             ),
         ),
         # The handler kills its process: acknowledged early, the message is gone for good and

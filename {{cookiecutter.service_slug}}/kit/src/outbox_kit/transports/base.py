@@ -54,6 +54,7 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
@@ -448,6 +449,10 @@ BROKER_LOG.addFilter(FastStreamNoise())
 KNOWN_CONSUMER_SECONDS = 30.0
 
 
+# How long the look-up after an accepted publish may take (it runs inside the delivery's limit).
+LOOKUP_SECONDS = 2.0
+
+
 class KnownConsumers:
     """Where a consumer was seen lately, so a log-based broker (Redis Streams, JetStream) asks
     whether anyone reads a destination only while nobody was seen there: an unrouted publish
@@ -460,11 +465,20 @@ class KnownConsumers:
     async def unrouted(
         self, destination: str, has_consumer: Callable[[], Awaitable[bool]], detail: str
     ) -> Unrouted | None:
-        """:class:`Unrouted` with ``detail`` when ``has_consumer()`` finds nobody reading."""
+        """:class:`Unrouted` with ``detail`` when ``has_consumer()`` finds nobody reading. Asked
+        after the broker accepted the publish, so a look-up that fails or does not answer within
+        :data:`LOOKUP_SECONDS` says "routed" (a debug line): it must never turn an accepted publish
+        into a failure, which would publish the row again."""
         now = time.monotonic()
         if now - self._seen.get(destination, -self._seconds) < self._seconds:
             return None
-        if await has_consumer():
+        try:
+            async with asyncio.timeout(LOOKUP_SECONDS):
+                found = await has_consumer()
+        except Exception as error:  # noqa: BLE001 (any failure of the look-up: the publish stands)
+            log.debug("could not tell whether anyone reads %s: %r", destination, error)
+            return None
+        if found:
             self._seen[destination] = now
             return None
         return Unrouted(detail)

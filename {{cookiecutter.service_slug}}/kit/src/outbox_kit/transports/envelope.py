@@ -52,6 +52,7 @@ from outbox_kit.application.context import (
     CapturedContext,
     InvalidContextError,
     RequestContext,
+    check_roles,
     restored,
     validate_correlation_id,
     validate_traceparent,
@@ -312,10 +313,13 @@ def _bounded_headers(raw_headers: Mapping[str, object], max_header_bytes: int) -
 def _context(headers: Mapping[str, str]) -> CapturedContext:
     try:
         correlation = headers.get(CORRELATION_ID)
+        roles = headers.get(USER_ROLES) or None
+        if roles:  # refused where it enters, as at the API: the consumer's commit would refuse it later
+            check_roles(roles.split(","))
         return CapturedContext(
             tenant_id=headers.get(TENANT_ID) or None,
             user_id=headers.get(USER_ID) or None,
-            user_roles=headers.get(USER_ROLES) or None,
+            user_roles=roles,
             correlation_id=validate_correlation_id(correlation) if correlation else None,
             traceparent=validate_traceparent(headers.get(TRACEPARENT)),
         )

@@ -211,7 +211,12 @@ class RabbitTransport(FastStreamTransport):
             await handler(RabbitDelivery(message, broker, main.name, dlq.name, publish_timeout=timeout))
 
     def _unrouted_queue(self) -> RabbitQueue:
-        return RabbitQueue(self._names.unrouted(), durable=True)
+        # Bounded, the oldest copy dropped first (MESSAGE_BUS__UNROUTED_MAX_MESSAGES).
+        return RabbitQueue(
+            self._names.unrouted(),
+            durable=True,
+            arguments={"x-max-length": self._settings.unrouted_max_messages, "x-overflow": "drop-head"},
+        )
 
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         exchange = await self.broker.declare_exchange(self._exchange)
@@ -318,11 +323,11 @@ class RabbitTransport(FastStreamTransport):
 
     async def _keep_unrouted(self, envelope: Envelope, headers: dict[str, str], routing_key: str) -> Unrouted:
         """Keep a copy of a message no queue was bound for in ``<namespace>.unrouted`` (declared
-        again first: cheap, and an operator may have deleted it), with where it was published to."""
+        at start), with where it was published to. A queue an operator deleted keeps nothing until
+        the next start: the row is still a delivery to nobody, its note says "not kept"."""
         queue = self._unrouted_queue()
         nowhere = f"no queue is bound for routing key {routing_key} on exchange {self._exchange.name}"
         try:
-            await self.broker.declare_queue(queue)
             await self.broker.publish(
                 envelope.body,
                 queue=queue,

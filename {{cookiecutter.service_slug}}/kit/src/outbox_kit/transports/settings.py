@@ -56,6 +56,10 @@ class MessageBusSettings(BaseModel):
     # the kit's test_settings.py checks it): below that, an identity the API accepts could be
     # dead-lettered as oversized_header by every consumer.
     max_header_bytes: int = Field(default=4096, ge=2048)
+    # RabbitMQ's <namespace>.unrouted keeps at most this many copies, the oldest dropped first: a
+    # contract published for weeks before its first consumer must not fill the broker (a memory
+    # or disk alarm blocks every publisher on it). Fixed when the queue is first declared.
+    unrouted_max_messages: int = Field(default=10_000, ge=1)
     # Both below OUTBOX__DELIVERY_TIMEOUT_SECONDS (the handler's in-process only, where consumers
     # run inside a delivery); unset, they follow it (``runtime.time_limits``).
     publish_timeout_seconds: float = Field(default=10.0, gt=0)
