@@ -54,8 +54,8 @@ def update_the_template(repo: Path) -> None:
     example.write_text(example.read_text() + NEW_SETTING)
     pyproject = repo / "{{cookiecutter.service_slug}}" / "pyproject.toml"
     text = pyproject.read_text()
-    assert '"pyjwt[crypto]>=2.10",' in text
-    pyproject.write_text(text.replace('"pyjwt[crypto]>=2.10",', '"pyjwt[crypto]>=2.11",'))
+    assert '"pyjwt[crypto]>=2.10,<3",' in text
+    pyproject.write_text(text.replace('"pyjwt[crypto]>=2.10,<3",', '"pyjwt[crypto]>=2.11,<3",'))
     commit_everything(repo, "template v2")
 
 
@@ -72,7 +72,7 @@ def assert_clean_update(project: Path, template: Path) -> None:
     assert "conflict" not in (updated.stdout + updated.stderr).lower(), updated.stdout + updated.stderr
     assert sorted(p.name for p in project.rglob("*.rej")) == []
     assert (project / ".env.example").read_text().endswith(NEW_SETTING)
-    assert '"pyjwt[crypto]>=2.11",' in (project / "pyproject.toml").read_text()
+    assert '"pyjwt[crypto]>=2.11,<3",' in (project / "pyproject.toml").read_text()
     changed = sorted(line[3:] for line in git(project, "status", "--porcelain").splitlines())
     assert changed == [".cruft.json", ".env.example", "pyproject.toml"], changed
     check([CRUFT, "check"], project)
