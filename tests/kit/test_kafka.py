@@ -126,3 +126,13 @@ async def test_a_record_whose_handler_never_finished_is_read_again_after_a_resta
     second, observer = await start("kafka", namespace=namespace)
     await effects_become(second, ["consumed:12"], timeout=30)
     assert [seen["message_id"] for seen in observer.seen] == [message.message_id]
+
+
+async def test_the_consumer_group_session_is_the_setting(start: Start) -> None:
+    """``MESSAGE_BUS__KAFKA_SESSION_TIMEOUT_SECONDS`` reaches every consumer the service runs (the
+    main topic's and the retry topic's), heartbeats every third of it; the test settings use 6 s."""
+    container, _ = await start("kafka")
+    assert container.settings().message_bus.kafka_session_timeout_seconds == 6.0
+    consumers = [subscriber.consumer for subscriber in container.bus().broker.subscribers]  # type: ignore[attr-defined]
+    assert len(consumers) == 2
+    assert [(c._session_timeout_ms, c._heartbeat_interval_ms) for c in consumers] == [(6000, 2000)] * 2

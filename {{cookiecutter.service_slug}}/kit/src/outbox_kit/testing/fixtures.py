@@ -288,6 +288,9 @@ def settings_of(settings_type: type[SettingsT], database_url: str, **sections: d
             "enable_inbox": True,
             "signing_keys": TEST_SIGNING_KEYS,
             "signing_key_id": "test",
+            # The shortest Apache Kafka allows: a new consumer group's first join is quicker on a
+            # broker that holds it for part of the session (tansu: half).
+            "kafka_session_timeout_seconds": 6.0,
         },
         "outbox": {"polling_interval_seconds": 0.2, "cleanup_interval_seconds": 3600},
         "logging": {"level": "WARNING"},

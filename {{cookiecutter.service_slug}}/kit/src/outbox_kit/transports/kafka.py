@@ -322,6 +322,8 @@ class KafkaTransport(FastStreamTransport):
             group_id=group,
             ack_policy=AckPolicy.MANUAL,
             auto_offset_reset="earliest",
+            session_timeout_ms=round(self._settings.kafka_session_timeout_seconds * 1000),
+            heartbeat_interval_ms=round(self._settings.kafka_session_timeout_seconds * 1000 / 3),
             decoder=the_message,
             parser=fallback_parser(readable_headers),
         )

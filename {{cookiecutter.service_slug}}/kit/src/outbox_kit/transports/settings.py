@@ -71,6 +71,10 @@ class MessageBusSettings(BaseModel):
     kafka_create_topics: bool = True
     kafka_topic_partitions: int = Field(default=3, ge=1)
     kafka_replication_factor: int = Field(default=1, ge=1)
+    # How long a consumer group waits for a silent member before giving its partitions to another
+    # (heartbeats every third of it). The broker bounds it (Apache Kafka: 6 s to 30 min), and a
+    # Kafka-protocol broker may hold a new group's join for part of it (tansu: half).
+    kafka_session_timeout_seconds: float = Field(default=10.0, gt=0)
 
     @field_validator("signing_keys", mode="before")
     @classmethod
