@@ -23,6 +23,13 @@ VARIANTS: dict[str, dict[str, object]] = {
 }
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The long tests first, so `make test` (tests handed out one at a time) starts them first
+    on both workers: collected late, one of them ran alone for minutes at the end while the other
+    worker had nothing left."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(scope="session")
 def bakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Every variant baked once (cheap: cookiecutter renders in well under a second)."""

@@ -20,7 +20,7 @@ import pytest
 
 from .support import REQUIRE_SERVICES, bake, check, find_python, install
 
-pytestmark = pytest.mark.generated
+pytestmark = [pytest.mark.generated, pytest.mark.long]
 
 
 def _service_env() -> dict[str, str]:

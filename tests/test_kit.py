@@ -77,6 +77,7 @@ def tansu_binary() -> str:
     return str(binary)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("number", range(SHARDS))
 def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path], number: int) -> None:
     """``tests/kit/``: the framework's tests, run once here instead of in every bake, in the kit's

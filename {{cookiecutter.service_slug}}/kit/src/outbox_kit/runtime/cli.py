@@ -340,6 +340,10 @@ def reload_on_change(settings: ServiceSettings, build_container: Callable[..., O
     command = [sys.executable, *(argument for argument in sys.orig_argv[1:] if argument != "--reload")]
     paths = watched_paths(build_container)
     signal.signal(signal.SIGTERM, _interrupt)  # `docker compose stop`, `kill`: as Ctrl-C
+    # Ctrl-C even when started with it ignored (a script's background job): the server it runs
+    # answers Ctrl-C all the same (uvicorn installs its own handler), so ignoring it here would
+    # leave this process watching files with no server behind it, and its `make` waiting for it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     logging.getLogger("watchfiles").setLevel(logging.ERROR)  # its "stopping watch" at every Ctrl-C
     log.info("reloading on changes under %s", ", ".join(map(str, paths)))
     child = subprocess.Popen(command)  # noqa: S603 (this very command, re-run)
