@@ -829,6 +829,10 @@ async def test_workers_killed_at_random_lose_nothing_and_duplicate_nothing_acros
         MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS="1",
         OUTBOX__POLLING_INTERVAL_SECONDS="0.2",
         LOGGING__LEVEL="INFO",
+        # Two processes, two sources each, two engines per source: with the default pool they
+        # opened up to 74 PostgreSQL connections, and the rest of the suite runs beside them
+        # (the server's 100 ran out). Three per pool still runs every handler the batch allows.
+        DATABASE__POOL_SIZE="3",
         **storage.process_env(),
     )
     fleet = Fleet(env, tmp_path)

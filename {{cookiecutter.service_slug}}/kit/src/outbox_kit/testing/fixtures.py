@@ -458,7 +458,7 @@ def service_argv(*arguments: str, package: str | None = None) -> list[str]:
 def service_env(database_url: str, **extra: str) -> dict[str, str]:
     """A service process's environment: none of the test's settings variables; the database,
     INFO logs, and what :func:`make_settings` gives a test (outbox and inbox on, signed
-    headers); then ``extra``."""
+    headers, Kafka's shortest session); then ``extra``."""
     clean = {k: v for k, v in os.environ.items() if "__" not in k}
     ((key_id, secret),) = TEST_SIGNING_KEYS.items()
     return (
@@ -470,6 +470,7 @@ def service_env(database_url: str, **extra: str) -> dict[str, str]:
             "MESSAGE_BUS__ENABLE_INBOX": "true",
             "MESSAGE_BUS__SIGNING_KEYS": f"{key_id}:{secret}",
             "MESSAGE_BUS__SIGNING_KEY_ID": key_id,
+            "MESSAGE_BUS__KAFKA_SESSION_TIMEOUT_SECONDS": "6",
         }
         | extra
     )
