@@ -35,6 +35,7 @@ from outbox_kit.testing.fixtures import (
     until_answering,
 )
 from outbox_kit.testing.harness import TcpProxy, tcp_proxy
+from outbox_kit.testing.processes import declared_topology
 from sqlalchemy.engine import make_url
 
 pytestmark = [pytest.mark.integration, pytest.mark.postgres, pytest.mark.slow]
@@ -259,6 +260,7 @@ async def test_a_worker_whose_broker_line_froze_exits_within_its_shutdown_time(
     library waits a fixed time of its own, whatever the shutdown timeout)."""
     outbox_shutdown = 1.0
     port = free_port()
+    namespace = f"shutdown-{uuid.uuid4().hex[:8]}"
     host, broker_port = broker_address(SERVICE_URLS[transport])
     async with tcp_proxy(host, broker_port) as proxy:
         url = SERVICE_URLS[transport].replace(f"{host}:{broker_port}", f"127.0.0.1:{proxy.port}")
@@ -269,7 +271,7 @@ async def test_a_worker_whose_broker_line_froze_exits_within_its_shutdown_time(
             str(port),
             MESSAGE_BUS__TRANSPORT=transport,
             MESSAGE_BUS__URL=url,
-            APPLICATION__NAMESPACE=f"shutdown-{uuid.uuid4().hex[:8]}",
+            APPLICATION__NAMESPACE=namespace,
             OUTBOX__SHUTDOWN_TIMEOUT_SECONDS=str(outbox_shutdown),
             **QUICK,
         ) as process:
@@ -282,4 +284,8 @@ async def test_a_worker_whose_broker_line_froze_exits_within_its_shutdown_time(
                 process.kill()
                 process.wait()
             proxy.thaw()
+    # What the worker declared (its consumer's queues or stream), deleted: the broker as found.
+    bus = {"transport": transport, "url": SERVICE_URLS[transport]}
+    async with declared_topology(kit_container, postgres_url, namespace, "kit.observer", bus):
+        pass
     assert status == 0, f"the worker did not exit within its shutdown time (status {status}): {stderr}"
