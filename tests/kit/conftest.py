@@ -21,6 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not shard:
         return
     index, _, parts = shard.partition("/")
+    if not (index.isdigit() and parts.isdigit() and int(index) < int(parts)):
+        msg = f"KIT_SHARD={shard}: expected i/n with 0 <= i < n (the parts are 0/n to {parts}-1/n)"
+        raise pytest.UsageError(msg)
     kept, other = [], []
     for item in items:
         (kept if part_of(item.nodeid, int(parts)) == int(index) else other).append(item)

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
 import sqlalchemy as sa
@@ -17,6 +17,7 @@ from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import SERVICE_URLS, eventually, kit_container, make_settings
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1, install_kit
+from outbox_kit.transports.bus import PublishResult
 from outbox_kit.transports.envelope import Envelope
 
 pytestmark = pytest.mark.integration
@@ -74,13 +75,13 @@ async def start(database_url: str) -> AsyncIterator[Start]:
         container.handlers().consume(CONSUMER, CounterChangedV1, handler)
         bus = container.bus()
         published: list[bytes] = []
-        publish = bus.publish
+        publish_batch = bus.publish_batch
 
-        async def recording(envelope: Envelope) -> None:
-            published.append(envelope.body)
-            await publish(envelope)
+        async def recording(envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+            published.extend(envelope.body for envelope in envelopes)
+            return await publish_batch(envelopes, window)
 
-        bus.publish = recording  # type: ignore[method-assign]
+        bus.publish_batch = recording  # type: ignore[method-assign]
         await bus.start()
         await container.worker().start()
         running.append(container)

@@ -30,8 +30,8 @@ database outage and keeping it alive at the broker is ``subscribers``' too."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from outbox_kit.application.handlers import HandlerRegistry
@@ -41,7 +41,7 @@ from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerTransport, DeadLetterCopy
-from outbox_kit.transports.bus import BrokerUnavailableError, Unrouted
+from outbox_kit.transports.bus import BrokerUnavailableError, PublishResult, Unrouted
 from outbox_kit.transports.envelope import Envelope, Signer, cloud_event_headers
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings, Transport
 
@@ -108,6 +108,17 @@ class InProcessBus:
             described = "; ".join(f"{name}: {type(e).__name__}: {e}" for name, e in failures.items())
             raise ConsumerFailedError(described) from cause
         return None
+
+    async def publish_batch(self, envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+        """One after another (the consumers run in this process): each message's outcome."""
+        del window
+        results: list[PublishResult] = []
+        for envelope in envelopes:
+            try:
+                results.append(await self.publish(envelope))
+            except Exception as error:  # noqa: BLE001 (the message's outcome, as on a broker)
+                results.append(error)
+        return results
 
 
 OUTAGES = (ConnectionError, TimeoutError, OSError)
@@ -202,15 +213,30 @@ class FastStreamBus:
         return await self.transport.dead_letters(consumer, limit)
 
     async def publish(self, envelope: Envelope) -> Unrouted | None:
+        (result,) = await self.publish_batch([envelope], 1)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def publish_batch(self, envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+        """Sign each envelope and publish them together; an outage becomes
+        :class:`BrokerUnavailableError` (the circuit breaker's), any other error stays the message's."""
+        messages = [(envelope, self._headers(envelope)) for envelope in envelopes]
+        results = await self.transport.publish_batch(messages, window)
+        return [
+            self._classified(result) if isinstance(result, BaseException) else result for result in results
+        ]
+
+    def _headers(self, envelope: Envelope) -> dict[str, str]:
         headers = self._signer.sign(envelope.headers(), envelope.body)
         headers.update(
             cloud_event_headers(envelope, source=self._source, prefix=self.transport.cloud_events_prefix)
         )
-        try:
-            async with asyncio.timeout(self._settings.publish_timeout_seconds):
-                return await self.transport.publish(envelope, headers)
-        except Exception as error:
-            if isinstance(error, OUTAGES) or self.transport.is_outage(error):
-                msg = f"{self.name} is unreachable: {type(error).__name__}: {error}"
-                raise BrokerUnavailableError(msg) from error
-            raise
+        return headers
+
+    def _classified(self, error: BaseException) -> BaseException:
+        if isinstance(error, OUTAGES) or self.transport.is_outage(error):
+            outage = BrokerUnavailableError(f"{self.name} is unreachable: {type(error).__name__}: {error}")
+            outage.__cause__ = error
+            return outage
+        return error

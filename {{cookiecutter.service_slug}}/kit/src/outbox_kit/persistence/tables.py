@@ -277,6 +277,18 @@ class LeaseStore:
     def __init__(self, table: sa.Table) -> None:
         self.table = table
         self._c = table.c
+        # The stamp of a batch, built once (built per call, with an IN list rendered per call, it
+        # cost twice the statement's round trip): ``id = ANY(:ids)`` on PostgreSQL, one array
+        # parameter; an expanding IN elsewhere.
+        guard = self._c.lock_token == sa.bindparam("token", type_=sa.Uuid())
+        stamp = sa.update(table).values(processed_on=sa.bindparam("now"), locked_until=None, lock_token=None)
+        any_id = self._c.id == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.Uuid())))
+        self._stamp = {
+            True: stamp.where(any_id, guard).returning(self._c.id),
+            False: stamp.where(self._c.id.in_(sa.bindparam("ids", expanding=True)), guard).returning(
+                self._c.id
+            ),
+        }
 
     def _ours(self, ids: Collection[uuid.UUID], token: uuid.UUID) -> sa.ColumnElement[bool]:
         return sa.and_(self._c.id.in_(list(ids)), self._c.lock_token == token)
@@ -285,13 +297,8 @@ class LeaseStore:
         self, connection: AsyncConnection, ids: Collection[uuid.UUID], token: uuid.UUID, now: datetime
     ) -> set[uuid.UUID]:
         """Mark rows delivered; return the ids that were still ours."""
-        statement = (
-            sa.update(self.table)
-            .where(self._ours(ids, token))
-            .values(processed_on=now, locked_until=None, lock_token=None)
-            .returning(self._c.id)
-        )
-        result = await connection.execute(statement)
+        statement = self._stamp[connection.dialect.name == "postgresql"]
+        result = await connection.execute(statement, {"ids": list(ids), "token": token, "now": now})
         return {row[0] for row in result}
 
     async def stamp_unrouted(
@@ -363,14 +370,13 @@ class LeaseStore:
         return {row[0] for row in result}
 
     async def renew(
-        self, connection: AsyncConnection, row_id: uuid.UUID, token: uuid.UUID, until: datetime
-    ) -> bool:
-        """Extend the lease just before dispatch; False means the row is no longer ours."""
+        self, connection: AsyncConnection, ids: Collection[uuid.UUID], token: uuid.UUID, until: datetime
+    ) -> set[uuid.UUID]:
+        """Extend the lease just before dispatch; return the ids that were still ours."""
         statement = (
             sa.update(self.table)
             .where(
-                self._c.id == row_id,
-                self._c.lock_token == token,
+                self._ours(ids, token),
                 self._c.processed_on.is_(None),
                 self._c.dead_lettered_on.is_(None),
             )
@@ -378,7 +384,7 @@ class LeaseStore:
             .returning(self._c.id)
         )
         result = await connection.execute(statement)
-        return result.first() is not None
+        return {row[0] for row in result}
 
     async def record_failure(
         self,

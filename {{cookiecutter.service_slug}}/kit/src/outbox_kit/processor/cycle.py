@@ -32,7 +32,7 @@ import functools
 import logging
 import random
 import uuid
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterator, Sequence
 from contextlib import suppress
 from datetime import datetime
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ from outbox_kit.application.observability import (
     NoTracing,
     RelayMetrics,
     Span,
+    SpanKind,
     Tracing,
     time_limit,
 )
@@ -91,21 +92,23 @@ class CycleShutdown:
 
     async def stop(
         self,
-        tasks: Sequence[asyncio.Future[bool]],
-        rows: Sequence[ClaimedRow],
+        work: Sequence[tuple[asyncio.Future[Any], Sequence[ClaimedRow]]],
         started: Collection[uuid.UUID],
         token: uuid.UUID,
     ) -> None:
         """Let the started deliveries finish within half the deadline while the unreached rows
-        are released; then cancel what still runs and release those rows too.
+        are released; then cancel what still runs and release those rows too. ``work`` pairs
+        each task with the rows it delivers (one row, or a batch published together).
 
         A publish is cut short only halfway to the deadline: cancelled at once, a message the broker
         already holds would be left unstamped and sent again by the next worker.
         """
-        waiting = [task for task, row in zip(tasks, rows, strict=True) if row.id not in started]
-        for task in waiting:  # not started: blocked on the concurrency gate, they never begin
-            task.cancel()
-        unreached = [row for row in rows if row.id not in started]
+        tasks = [task for task, _ in work]
+        for task, rows in work:  # not started: blocked on the concurrency gate, they never begin
+            if not any(row.id in started for row in rows):
+                task.cancel()
+        every = [row for _, rows in work for row in rows]
+        unreached = [row for row in every if row.id not in started]
         # Half the time for the deliveries, so the release of what they leave still fits.
         await asyncio.gather(
             self.release(unreached, token), asyncio.wait(tasks, timeout=self._remaining() / 2)
@@ -113,7 +116,7 @@ class CycleShutdown:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self.release([row for row in rows if row.id in started], token)
+        await self.release([row for row in every if row.id in started], token)
 
     async def claim(self, claim: Awaitable[T], token: uuid.UUID, lease_until: datetime) -> T:
         """Run the cycle's claim, which leases to ``token`` until ``lease_until``; if a
@@ -156,6 +159,23 @@ class CycleShutdown:
 
     def _remaining(self) -> float:
         return max(0.0, self.deadline() - asyncio.get_running_loop().time())
+
+
+@dataclasses.dataclass
+class PublishSpans:
+    """The rows of a batch about to be published (carrying their spans' ``traceparent``), and
+    their spans (none with tracing off)."""
+
+    rows: list[ClaimedRow]
+    spans: list[Span]
+
+    def record(self, outcomes: Sequence[object]) -> None:
+        """Mark each span with its row's outcome (a failure recorded, a pause named)."""
+        for span, outcome in zip(self.spans, outcomes, strict=False):
+            if isinstance(outcome, PausedError):
+                span.set_attribute("outcome", "paused")
+            elif isinstance(outcome, BaseException):
+                span.record_failure(outcome)
 
 
 def _observed(task: asyncio.Future[Any]) -> None:
@@ -238,7 +258,8 @@ class TableSource:
         return rows
 
     async def run_cycle(self) -> CycleResult:
-        """Claim a batch and deliver it, up to ``delivery_concurrency`` rows at a time.
+        """Claim a batch and deliver it: the rows delivered by a publish together
+        (:meth:`_publish`), the others one task each, up to ``delivery_concurrency`` at a time.
 
         Concurrency cannot reorder a key: the claim never puts two rows of one key in a batch.
         Rows whose delivery runs handlers are also held to the database pool's size.
@@ -252,6 +273,8 @@ class TableSource:
         # gives the batch back by token and lease end, whose index finds it (``LeaseStore``).
         until = lease_until(now, self.settings.lease_seconds)
         rows = await self._shutdown.claim(self.claim(token, now), token, until)  # a stop here releases them
+        published = [row for row in rows if self._deliverer.publishes(row)]
+        handled = [row for row in rows if not self._deliverer.publishes(row)]
         gate = asyncio.Semaphore(self.settings.delivery_concurrency)
         # Handlers each hold a database session: no more at once than the pool has connections.
         handlers = asyncio.Semaphore(
@@ -259,7 +282,7 @@ class TableSource:
         )
         started: set[uuid.UUID] = set()
         stamps = self.outcomes.stamps
-        stamps.expect(len(rows))  # the batch's stamps wait for each other, not for the next batch
+        stamps.expect(len(handled))  # the batch's stamps wait for each other, not for the next batch
 
         async def process(row: ClaimedRow) -> bool:
             room = handlers if self._deliverer.needs_fresh_lease(row) else contextlib.nullcontext()
@@ -268,34 +291,103 @@ class TableSource:
                 started.add(row.id)
                 return await self._process(row, token, slot)
 
-        tasks = [asyncio.ensure_future(process(row)) for row in rows]
-        if tasks:
+        work: list[tuple[asyncio.Future[Any], Sequence[ClaimedRow]]] = [
+            (asyncio.ensure_future(process(row)), [row]) for row in handled
+        ]
+        if published:
+            started.update(row.id for row in published)
+            work.append((asyncio.ensure_future(self._publish(published, token)), published))
+        if work:
             try:
-                await asyncio.wait(tasks)  # not gather: a cancelled gather waits for its children
+                await asyncio.wait(
+                    [task for task, _ in work]
+                )  # not gather: a cancelled gather waits for its children
             except asyncio.CancelledError:
-                await self._shutdown.stop(tasks, rows, started, token)
+                await self._shutdown.stop(work, started, token)
                 await self.outcomes.stamps.settle(self._shutdown.deadline())
                 raise
-        return self._result(rows, tasks)
+        return self._result(rows, work)
 
-    def _result(self, rows: list[ClaimedRow], tasks: list[asyncio.Task[bool]]) -> CycleResult:
-        errors = [error for task in tasks if (error := task.exception()) is not None]
+    def _result(
+        self, rows: list[ClaimedRow], work: list[tuple[asyncio.Future[Any], Sequence[ClaimedRow]]]
+    ) -> CycleResult:
+        errors = [error for task, _ in work if (error := task.exception()) is not None]
         for extra in errors[1:]:
             log.error("%s: another delivery of the cycle failed too", self.name, exc_info=extra)
         if errors:
             raise errors[0]
-        done = [task.result() is True for task in tasks]
+        done: dict[uuid.UUID, bool] = {}
+        for task, delivered in work:
+            result = task.result()
+            oks = result if isinstance(result, list) else [result]
+            done.update((row.id, ok is True) for row, ok in zip(delivered, oks, strict=True))
         self._metrics.beat(self.name, self._clock())
+        completed = sum(done.values())
         if rows:
-            log.debug("%s: claimed %s, completed %s", self.name, len(rows), sum(done))
+            log.debug("%s: claimed %s, completed %s", self.name, len(rows), completed)
         return CycleResult(
             claimed=len(rows),
-            completed=sum(done),
+            completed=completed,
             full_batch=len(rows) >= self.settings.batch_size,
-            keyed_completed=any(
-                ok and row.ordering_key is not None for row, ok in zip(rows, done, strict=True)
-            ),
+            keyed_completed=any(done[row.id] and row.ordering_key is not None for row in rows),
         )
+
+    async def _publish(self, rows: list[ClaimedRow], token: uuid.UUID) -> list[bool]:
+        """Publish ``rows`` together and record their outcomes, one statement per kind; True for
+        each row delivered. No task, time limit or stamp of its own per row: the broker pipelines
+        the publishes, the batch shares one delivery time limit, and the confirmed rows are
+        stamped together once every publish of the batch has ended (``Outcomes.record_published``).
+
+        As for a single publish, the leases are renewed first only when what is left of them
+        might not outlast the delivery's time limit (one statement for the batch)."""
+        ours = rows
+        if any(self.outcomes.lease_is_short(row) for row in rows):
+            renewed = await self.outcomes.renew_all(rows, token)
+            for row in rows:
+                if row.id not in renewed:
+                    self.outcomes.lost(row, "before dispatch")
+            ours = [row for row in rows if row.id in renewed]
+        if not ours:
+            return [False] * len(rows)
+        limit = functools.partial(time_limit, self.settings.delivery_timeout_seconds, "delivery")
+        with self._publish_spans(ours) as traced:
+            window = self.settings.delivery_concurrency
+            outcomes = await self._deliverer.deliver_published(traced.rows, window, limit)
+            traced.record(outcomes)
+        done = dict(
+            zip(
+                [row.id for row in ours],
+                await self.outcomes.record_published(ours, outcomes, token),
+                strict=True,
+            )
+        )
+        return [done.get(row.id, False) for row in rows]
+
+    @contextlib.contextmanager
+    def _publish_spans(self, rows: list[ClaimedRow]) -> Iterator[PublishSpans]:
+        """A producer span per row only when tracing is on (each published message then carries
+        its span's ``traceparent``); with tracing off, the rows as they are, nothing per row."""
+        if isinstance(self._tracing, NoTracing):
+            yield PublishSpans(rows, [])
+            return
+        with contextlib.ExitStack() as stack:
+            spans: list[Span] = []
+            traced: list[ClaimedRow] = []
+            for row in rows:
+                span = stack.enter_context(
+                    self._tracing.span(
+                        f"{self.name} deliver {row.name}",
+                        kind=SpanKind.PRODUCER,
+                        traceparent=row.trace_context,
+                        attributes={
+                            "messaging.message.id": str(row.id),
+                            f"{self.name}.retry_count": row.retry_count,
+                        },
+                    )
+                )
+                spans.append(span)
+                traced.append(dataclasses.replace(row, trace_context=span.traceparent))
+            yield PublishSpans(traced, spans)
 
     async def _process(self, row: ClaimedRow, token: uuid.UUID, slot: DeliverySlot | None = None) -> bool:
         """Renew, deliver, record; True only when the row was delivered.

@@ -29,18 +29,28 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 
 from outbox_kit.application.context import restored
 from outbox_kit.application.handlers import HandlerRegistry, handler_name
-from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.application.observability import SpanKind, TimeLimit
+from outbox_kit.application.messages import MessageRegistry, Payload
+from outbox_kit.application.observability import SpanKind, TimeLimit, TimeLimitExceededError
+from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
-from outbox_kit.transports.bus import CircuitBreaker, Delivered, MessageBus, Unrouted
+from outbox_kit.transports.bus import (
+    CircuitBreaker,
+    Delivered,
+    MessageBus,
+    PausedError,
+    PublishResult,
+    Unrouted,
+)
 from outbox_kit.transports.envelope import Envelope, body_of
+from outbox_kit.transports.settings import Transport
 
 log = logging.getLogger(__name__)
 OUTBOX_AUTHENTICATION = "outbox"
@@ -74,35 +84,78 @@ class OutboxDeliverer:
         """A publish is a producer span; a local delivery stays inside this service."""
         return SpanKind.INTERNAL if row.kind == DOMAIN else SpanKind.PRODUCER
 
+    def publishes(self, row: ClaimedRow) -> bool:
+        """Integration events go to a broker in batches. Domain events run local handlers, and
+        so do integration events on the in-process transport (its consumers run in this
+        process): those are delivered row by row, each under its own time limit."""
+        return row.kind != DOMAIN and self._bus.name != Transport.INPROCESS
+
     async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
-        # The payload as stored (upcast when its name is an old version's): what is published,
-        # byte for byte on every publish of the row; the class only checks it and names it.
-        name, payload = self._registry.upcast(row.name, row.payload)
-        message = self._registry.load(name, payload)
-        context = row.captured_context()
-        with restored(context, authentication_type=OUTBOX_AUTHENTICATION):
-            if row.kind == DOMAIN:
-                if not self._handlers.has_domain_handlers(type(message)):
-                    if not self._handlers.is_record_only(type(message)):
-                        self._warn_no_handler(row.name)
-                    return Delivered.NEEDS_STAMP
-                await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
-                return Delivered.STAMPED
-            envelope = Envelope(
-                message_id=str(row.id),
-                event_name=message.message_name,
-                occurred_on=row.occurred_on,
-                body=body_of(payload),
-                context=context,
-                ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
-            )
+        if row.kind != DOMAIN:  # a batch of one
+            (outcome,) = await self.deliver_published([row], 1, limit)
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        message, _ = self._loaded(row)
+        with restored(row.captured_context(), authentication_type=OUTBOX_AUTHENTICATION):
+            if not self._handlers.has_domain_handlers(type(message)):
+                if not self._handlers.is_record_only(type(message)):
+                    self._warn_no_handler(row.name)
+                return Delivered.NEEDS_STAMP
+            await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
+            return Delivered.STAMPED
 
-            async def publish() -> Unrouted | None:
-                return await self._bus.publish(envelope)
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        """Publish integration-event rows together behind the circuit breaker, all under one
+        delivery time limit; each row's outcome in order (an error is the row's, never raised):
+        ``NEEDS_STAMP`` once the broker confirmed it, :class:`Unrouted`, or the error (a
+        :class:`CircuitOpenError` pause for an outage; the time limit's error for every row still
+        unconfirmed when it ran out)."""
+        outcomes: list[Delivered | Unrouted | BaseException] = []
+        envelopes: list[Envelope] = []
+        for row in rows:
+            try:
+                envelopes.append(self._envelope(row))
+                outcomes.append(Delivered.NEEDS_STAMP)
+            except Exception as error:  # noqa: BLE001 (a row that cannot be read fails alone)
+                outcomes.append(error)
+        published = await self._publish(envelopes, window, limit)
+        built = iter(published)
+        return [
+            outcome if isinstance(outcome, BaseException) else (next(built) or outcome)
+            for outcome in outcomes
+        ]
 
+    async def _publish(self, envelopes: list[Envelope], window: int, limit: TimeLimit) -> list[PublishResult]:
+        if not envelopes:
+            return []
+        try:
             async with limit():
-                unrouted = await self._breaker.call(publish)
-            return unrouted or Delivered.NEEDS_STAMP
+                return await self._breaker.call(lambda: self._bus.publish_batch(envelopes, window))
+        except PausedError as paused:  # the circuit is open: nothing was attempted
+            return [paused] * len(envelopes)
+        except TimeLimitExceededError as expired:
+            return [expired] * len(envelopes)
+
+    def _loaded(self, row: ClaimedRow) -> tuple[Message, Payload]:
+        """The row's message and its payload as stored (upcast when its name is an old
+        version's): what is published, byte for byte on every publish of the row; the class
+        only checks it and names it."""
+        name, payload = self._registry.upcast(row.name, row.payload)
+        return self._registry.load(name, payload), payload
+
+    def _envelope(self, row: ClaimedRow) -> Envelope:
+        message, payload = self._loaded(row)
+        return Envelope(
+            message_id=str(row.id),
+            event_name=message.message_name,
+            occurred_on=row.occurred_on,
+            body=body_of(payload),
+            context=row.captured_context(),
+            ordering_key=message.ordering_key(),  # the plain key (the row's is per kind)
+        )
 
     def _warn_no_handler(self, event_name: str) -> None:
         if event_name in self._warned:
@@ -134,6 +187,19 @@ class CommandDeliverer:
         self._handlers = handlers
         self._units = units
         self._store = LeaseStore(COMMAND_TABLE)
+
+    def publishes(self, row: ClaimedRow) -> bool:
+        """A command is never published: its handler runs here."""
+        del row
+        return False
+
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        """Never called (nothing :meth:`publishes`)."""
+        del window, limit
+        msg = f"internal commands are not published ({len(rows)} rows)"
+        raise TypeError(msg)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         """A command's handler holds a database session: always a whole lease first."""

@@ -130,7 +130,7 @@ class InProcessRowLeases:
         """Give the row a whole lease for its own delivery (``LeaseLostError``: no longer ours)."""
         until = self._units().clock() + self._lease
         async with self._units().database.bookkeeping() as connection:
-            if not await self.store.renew(connection, row.id, row.lock_token, until):
+            if row.id not in await self.store.renew(connection, [row.id], row.lock_token, until):
                 msg = f"outbox row {row.id} is no longer leased to this process"
                 raise LeaseLostError(msg)
 

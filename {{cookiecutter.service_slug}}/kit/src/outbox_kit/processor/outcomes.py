@@ -65,6 +65,7 @@ import logging
 import random
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -82,6 +83,7 @@ from outbox_kit.persistence.tables import (
 )
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import SourceSettings
+from outbox_kit.transports.bus import Delivered, PausedError, Unrouted
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,11 @@ class StampGroups:
             if not future.done():
                 future.set_result(row_id in ours)
 
+    async def write_now(self, ids: list[uuid.UUID], token: uuid.UUID) -> set[uuid.UUID]:
+        """Stamp ``ids`` at once, in one statement (a batch published together: nothing to wait
+        for), with the same retry after a dropped connection; the ids that were still ours."""
+        return await self._write({token: ids})
+
     async def _write(self, by_token: dict[uuid.UUID, list[uuid.UUID]]) -> set[uuid.UUID]:
         now = self._clock()
         dropped = False
@@ -266,9 +273,50 @@ class Outcomes:
 
     async def renew(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         """Push the lease to now + lease just before delivery; False when no longer ours."""
+        return row.id in await self.renew_all([row], token)
+
+    async def renew_all(self, rows: Sequence[ClaimedRow], token: uuid.UUID) -> set[uuid.UUID]:
+        """Push the leases of ``rows`` to now + lease in one statement; the ids still ours."""
         until = self._clock() + timedelta(seconds=self._settings.lease_seconds)
         async with self._db.bookkeeping_statement() as connection:
-            return await self._leases.renew(connection, row.id, token, until)
+            return await self._leases.renew(connection, [row.id for row in rows], token, until)
+
+    async def record_published(
+        self,
+        rows: Sequence[ClaimedRow],
+        outcomes: Sequence[Delivered | Unrouted | BaseException],
+        token: uuid.UUID,
+    ) -> list[bool]:
+        """Write the outcomes of a batch published together, one statement per kind: the
+        confirmed rows stamped together, the paused ones released together (per pause), then the
+        rare ones row by row (unrouted, failed). True for each row delivered and stamped by us."""
+        done: dict[uuid.UUID, bool] = {}
+        confirmed = [
+            row for row, outcome in zip(rows, outcomes, strict=True) if outcome is Delivered.NEEDS_STAMP
+        ]
+        if confirmed:
+            ours = await self.stamps.write_now([row.id for row in confirmed], token)
+            for row in confirmed:
+                done[row.id] = row.id in ours
+                if done[row.id]:
+                    self.delivered(row)
+                else:
+                    self.lost(row, "after delivery (the new owner may deliver it again; consumers dedupe)")
+        paused: defaultdict[tuple[datetime | None, str], list[ClaimedRow]] = defaultdict(list)
+        for row, outcome in zip(rows, outcomes, strict=True):
+            if isinstance(outcome, PausedError):
+                paused[outcome.retry_at, str(outcome)].append(row)
+            elif isinstance(outcome, Unrouted):
+                done[row.id] = await self.stamp_unrouted(row, token, outcome.detail)
+            elif isinstance(outcome, BaseException) and is_database_outage(outcome):
+                # Not the row's fault (a consumer of the in-process bus lost the database).
+                note = f"database unreachable: {type(outcome).__name__}: {outcome}"
+                paused[None, note].append(row)
+            elif isinstance(outcome, BaseException):
+                await self.fail(row, token, outcome)
+        for (until, why), group in paused.items():
+            await self.pause_all(group, token, until, why)
+        return [done.get(row.id, False) for row in rows]
 
     async def stamp(self, row: ClaimedRow, token: uuid.UUID) -> bool:
         """True when the stamp landed; a lost lease is not this processor's progress."""
@@ -314,9 +362,15 @@ class Outcomes:
 
     async def pause(self, row: ClaimedRow, token: uuid.UUID, until: datetime | None, why: str) -> None:
         """Release the row uncharged (its downstream is down); ``explain`` reports it paused."""
+        await self.pause_all([row], token, until, why)
+
+    async def pause_all(
+        self, rows: Sequence[ClaimedRow], token: uuid.UUID, until: datetime | None, why: str
+    ) -> None:
+        """Release ``rows`` uncharged in one statement (see :meth:`pause`)."""
         async with self._db.bookkeeping() as connection:
             await self._leases.release(
-                connection, [row.id], token, until=until, error=f"{PAUSED_PREFIX}{why}"
+                connection, [row.id for row in rows], token, until=until, error=f"{PAUSED_PREFIX}{why}"
             )
 
     async def fail(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:

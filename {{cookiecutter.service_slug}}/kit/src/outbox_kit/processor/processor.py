@@ -33,7 +33,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, Self
@@ -54,6 +54,19 @@ class Deliverer(Protocol):
 
         ``limit`` is the delivery's time limit: put it around the handlers or the publish, not
         around the commit that stamps the row (once stamped, a delivery must not fail)."""
+        ...
+
+    def publishes(self, row: ClaimedRow) -> bool:
+        """True when ``row`` is delivered by a publish: the cycle publishes such rows of its batch
+        together (:meth:`deliver_published`) instead of one :meth:`deliver` each."""
+        ...
+
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        """Publish ``rows`` (each one :meth:`publishes`) together, up to ``window`` awaiting the
+        broker at once, under one time limit; each row's outcome in order, an error included
+        (never raised). ``NEEDS_STAMP`` once the broker confirmed the row."""
         ...
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:

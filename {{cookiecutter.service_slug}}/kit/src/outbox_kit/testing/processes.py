@@ -58,7 +58,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -509,6 +509,18 @@ class RecordingDeliverer:
         self.name = name
         self.hang_first = hang_first
         self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
+
+    def publishes(self, row: ClaimedRow) -> bool:
+        """Each row on its own, like a handler."""
+        del row
+        return False
+
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        del window, limit
+        msg = f"not a publisher ({len(rows)} rows)"
+        raise TypeError(msg)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         """It writes an effect like a handler: a whole lease before each row."""

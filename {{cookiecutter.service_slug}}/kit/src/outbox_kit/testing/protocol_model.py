@@ -89,7 +89,7 @@ import random
 import sys
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Coroutine, Iterator, Mapping
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -156,6 +156,7 @@ from outbox_kit.testing.harness import FakeClock
 from outbox_kit.transports.bus import (
     Delivered,
     MessageBus,
+    PublishResult,
     Unrouted,
 )
 from outbox_kit.transports.envelope import (
@@ -251,6 +252,10 @@ class RecordingBus:
         self.sent[envelope.message_id] = envelope
         return await self._inner.publish(envelope)
 
+    async def publish_batch(self, envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+        self.sent.update((envelope.message_id, envelope) for envelope in envelopes)
+        return await self._inner.publish_batch(envelopes, window)
+
 
 class Verdict(Enum):
     DELIVER = "deliver"
@@ -274,6 +279,17 @@ class GatedDeliverer:
         self._refusing = refusing
         self.held: Held | None = None
         self.arrived = asyncio.Event()
+
+    def publishes(self, row: ClaimedRow) -> bool:
+        """Never as a batch: the model holds and decides each row's delivery on its own (the
+        service's deliverer publishes it as a batch of one)."""
+        del row
+        return False
+
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        return await self._inner.deliver_published(rows, window, limit)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         """Always renew: the model's cycle renews before each dispatch (the renewal a publish

@@ -1086,6 +1086,11 @@ MUTATIONS: tuple[Mutation, ...] = (
                 ".where(self._c.id == row_id, self._c.lock_token == token)\n            .values(**values)",
                 ".where(self._c.id == row_id)\n            .values(**values)",
             ),
+            Edit(  # the stamp of a published batch, built once
+                f"{KIT}/persistence/tables.py",
+                'guard = self._c.lock_token == sa.bindparam("token", type_=sa.Uuid())',
+                'guard = sa.bindparam("token", type_=sa.Uuid()).is_not(None)',
+            ),
         ),
         # A worker frozen past its lease resumes and stamps rows another worker finished.
         selection=(

@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.text import as_str, safe_text
-from outbox_kit.transports.bus import Unrouted
+from outbox_kit.transports.bus import PublishResult, Unrouted
 from outbox_kit.transports.envelope import (
     LIMITS,
     MESSAGE_ID,
@@ -80,6 +80,8 @@ from outbox_kit.transports.envelope import (
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
+
+    from outbox_kit.transports.settings import MessageBusSettings
 from typing import TYPE_CHECKING
 
 from faststream import BaseMiddleware
@@ -385,6 +387,14 @@ class BrokerTransport(Protocol):
         """Publish, durably accepted; :class:`Unrouted` when no consumer was bound to take it."""
         ...
 
+    async def publish_batch(
+        self, messages: Sequence[tuple[Envelope, dict[str, str]]], window: int
+    ) -> list[PublishResult]:
+        """Publish every message, up to ``window`` awaiting the broker's acknowledgement at once
+        (the broker pipelines them), each within ``MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS``; one
+        result per message, in order: a message's error is its result, never raised."""
+        ...
+
     async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
         """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
         ...
@@ -528,10 +538,35 @@ class ConsumingOnly:
         return self._middleware(message, context=context)
 
 
+async def publish_each(
+    publish: Callable[[Envelope, dict[str, str]], Awaitable[Unrouted | None]],
+    messages: Sequence[tuple[Envelope, dict[str, str]]],
+    window: int,
+    timeout_seconds: float | None,
+) -> list[PublishResult]:
+    """``publish`` every message, ``window`` in flight at once, each within ``timeout_seconds``
+    of its start (None: ``publish`` bounds itself); the broker pipelines them, each waits for its
+    own acknowledgement only."""
+    gate = asyncio.Semaphore(max(1, window))
+
+    async def one(envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        async with gate, asyncio.timeout(timeout_seconds):
+            return await publish(envelope, headers)
+
+    if len(messages) == 1:  # no gather, no task: a lone publish runs in the caller's task
+        envelope, headers = messages[0]
+        try:
+            return [await one(envelope, headers)]
+        except Exception as error:  # noqa: BLE001 (the message's outcome, as in a batch)
+            return [error]
+    return list(await asyncio.gather(*(one(e, h) for e, h in messages), return_exceptions=True))
+
+
 class FastStreamTransport:
     """The broker lifecycle every transport shares (the broker itself is set by the subclass)."""
 
     broker: Any
+    _settings: MessageBusSettings  # set by the subclass
     label = "the broker"
     cloud_events_prefix = "ce-"  # the HTTP and NATS bindings' form (RabbitMQ and Redis have none)
     # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
@@ -569,6 +604,15 @@ class FastStreamTransport:
         """FastStream's telemetry middleware for this broker (imported here: OpenTelemetry is the
         optional ``otel`` extra)."""
         raise NotImplementedError
+
+    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        raise NotImplementedError
+
+    async def publish_batch(
+        self, messages: Sequence[tuple[Envelope, dict[str, str]]], window: int
+    ) -> list[PublishResult]:
+        """Each message through :meth:`publish`, pipelined (see :func:`publish_each`)."""
+        return await publish_each(self.publish, messages, window, self._settings.publish_timeout_seconds)
 
     async def connect(self) -> None:
         await self.broker.connect()

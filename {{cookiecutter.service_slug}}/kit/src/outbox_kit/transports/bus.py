@@ -33,11 +33,11 @@ transport with the outbox explicitly off is refused at start-up."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import Enum
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
@@ -65,6 +65,11 @@ class Unrouted:
     first (nothing lost), or nowhere (the in-process transport)."""
 
     detail: str
+
+
+# What became of one message of a published batch: routed (None), unrouted, or the error its
+# publish raised (an outage, or a refusal of that message alone).
+PublishResult = Unrouted | None | BaseException
 
 
 class PausedError(RuntimeError):
@@ -110,13 +115,17 @@ class MessageBus(Protocol):
         None when it was routed to a consumer (or the transport cannot tell)."""
         ...
 
+    async def publish_batch(self, envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+        """Hand every message to the transport together, up to ``window`` awaiting the broker's
+        acknowledgement at once; return once each is durably accepted or failed, one result per
+        envelope, in order (:class:`BrokerUnavailableError` for an outage). Never raises for a
+        message: the caller records each outcome on its own row."""
+        ...
+
     async def ping(self) -> None:
         """Raise unless the transport answers a round trip to the broker, not a flag of the client
         (used by /readyz, which bounds the wait)."""
         ...
-
-
-T = TypeVar("T")
 
 
 class CircuitBreaker:
@@ -143,25 +152,36 @@ class CircuitBreaker:
         # Below the threshold: step back a little, growing with the streak of outages.
         return now + min(self._reset, timedelta(seconds=self._failures))
 
-    async def call(self, operation: Callable[[], Awaitable[T]]) -> T:
+    async def call(self, operation: Callable[[], Awaitable[list[PublishResult]]]) -> list[PublishResult]:
+        """Run one publish attempt of a batch; raise :class:`CircuitOpenError` while the circuit is
+        open (nothing is attempted). Each outage among the results counts as one failure and
+        becomes :class:`CircuitOpenError` (a pause, uncharged); a batch with no outage proves the
+        broker answered and closes the circuit."""
         state = self.state
         if state == "open" or (state == "half-open" and self._trial_running):
             raise CircuitOpenError(self._retry_at())
         self._trial_running = state == "half-open"
         try:
-            result = await operation()
-        except BrokerUnavailableError as outage:
-            self._failures += 1
-            if self._failures >= self._threshold or state == "half-open":
-                self._open_until = self._clock() + self._reset
-            raise CircuitOpenError(self._retry_at()) from outage
-        except Exception:
-            self._close()  # the broker answered; this message is the problem
-            raise
+            results = await operation()
         finally:
             self._trial_running = False
-        self._close()
-        return result
+        outages = sum(isinstance(result, BrokerUnavailableError) for result in results)
+        if not outages:
+            self._close()
+            return results
+        self._failures += outages  # each message's publish counts, as when they went one by one
+        if self._failures >= self._threshold or state == "half-open":
+            self._open_until = self._clock() + self._reset
+        paused = CircuitOpenError(self._retry_at())
+        return [self._paused(result, paused) for result in results]
+
+    @staticmethod
+    def _paused(result: PublishResult, paused: CircuitOpenError) -> PublishResult:
+        if not isinstance(result, BrokerUnavailableError):
+            return result
+        pause = CircuitOpenError(paused.retry_at)
+        pause.__cause__ = result
+        return pause
 
     def _close(self) -> None:
         self._failures = 0
