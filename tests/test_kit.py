@@ -111,8 +111,9 @@ def locked_version(lock: Path, name: str) -> str:
 def floor_of(package: str) -> str:
     """``package``'s floor in the kit's pyproject (its dependencies or an extra)."""
     project = tomllib.loads((KIT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    declared = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
-    (floor,) = {m for d in declared for m in re.findall(rf"^{re.escape(package)}(?:\[[^]]*\])?>=([0-9.]+)", d)}
+    extras = [d for group in project["optional-dependencies"].values() for d in group]
+    pattern = rf"^{re.escape(package)}(?:\[[^]]*\])?>=([0-9.]+)"
+    (floor,) = {m for d in [*project["dependencies"], *extras] for m in re.findall(pattern, d)}
     return str(floor)
 
 

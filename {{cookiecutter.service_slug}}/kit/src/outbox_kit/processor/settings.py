@@ -36,8 +36,10 @@ class OutboxSettings(BaseModel):
     max_retries: int = Field(default=5, ge=1)
     retry_backoff_base_seconds: float = Field(default=10.0, gt=0)
     batch_size: int = Field(default=100, ge=1, le=10_000)
+    # 100, the batch size: a batch's publishes all in flight together (32 left the broker's
+    # confirm round trips idle between windows: 0.76x of a plain publish's rate against 0.99x).
     delivery_concurrency: int = Field(
-        default=32, ge=1, le=256, description="Rows of one batch delivered at once (PostgreSQL; 1 on SQLite)"
+        default=100, ge=1, le=256, description="Rows of one batch delivered at once (PostgreSQL; 1 on SQLite)"
     )
     claim_window: int = Field(default=0, ge=0, description="Keyed rows scanned per claim; 0 = auto")
     retention_days: int = Field(default=7, ge=0)
