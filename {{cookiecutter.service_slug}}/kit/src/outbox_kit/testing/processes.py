@@ -871,6 +871,11 @@ def build(args: argparse.Namespace) -> OutboxContainer:
     )
 
 
+DeliverPublished = Callable[
+    [Sequence[ClaimedRow], int, TimeLimit], Awaitable[list[Delivered | Unrouted | BaseException]]
+]
+
+
 class Faults:
     """The injected faults of one process, wrapped around the real outbox deliverer."""
 
@@ -898,6 +903,40 @@ class Faults:
                 print("crashing after a confirmed publish", flush=True)
                 os._exit(CRASHED_AFTER_PUBLISH)  # no stamp, no cleanup: the crash under test
             return result
+
+        return faulty
+
+    def wrap_published(self, deliver_published: DeliverPublished) -> Any:
+        """The same faults around a batch published together: poisoned rows fail alone, the
+        rest is published; the slow confirm and the crash come after the batch's confirms,
+        before its stamp."""
+
+        async def faulty(
+            rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+        ) -> list[Delivered | Unrouted | BaseException]:
+            poisoned = self.poison_file is not None and self.poison_file.exists()
+            poison = {row.id for row in rows if poisoned and row.payload.get("value") == RELAY_POISON}
+            published = iter(await deliver_published([r for r in rows if r.id not in poison], window, limit))
+            outcomes = [
+                ValueError("poison event (the bug a later deploy fixes)")
+                if row.id in poison
+                else next(published)
+                for row in rows
+            ]
+            confirmed = [
+                row for row, outcome in zip(rows, outcomes, strict=True) if outcome is Delivered.NEEDS_STAMP
+            ]
+            if self.after_publish and confirmed:  # a slow confirm: the moment before the stamp, announced
+                print(
+                    f"published {confirmed[0].id} and {len(confirmed) - 1} more, not stamped yet", flush=True
+                )
+                async with limit():  # part of the publish
+                    await asyncio.sleep(self.after_publish)
+            self.published += len(confirmed)
+            if self.crash_after and self.published >= self.crash_after:
+                print("crashing after a confirmed publish", flush=True)
+                os._exit(CRASHED_AFTER_PUBLISH)  # no stamp, no cleanup: the crash under test
+            return outcomes
 
         return faulty
 
@@ -974,7 +1013,9 @@ async def work(args: argparse.Namespace) -> None:
     if not args.relay_only:
         container.handlers().consume(LEDGER, CounterChangedV1, ledger_handler(args.name))
     deliverer = container.outbox_deliverer()
-    deliverer.deliver = Faults(args).wrap(deliverer.deliver)  # type: ignore[method-assign]
+    faults = Faults(args)
+    deliverer.deliver = faults.wrap(deliverer.deliver)  # type: ignore[method-assign]
+    deliverer.deliver_published = faults.wrap_published(deliverer.deliver_published)  # type: ignore[method-assign]
     figures = ProcessFigures(container, Path(args.status) if args.status else None)
     for source in container.sources():
         if source.name == "outbox":
