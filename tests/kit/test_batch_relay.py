@@ -132,3 +132,22 @@ async def test_a_row_that_cannot_be_read_fails_alone_and_its_batch_mates_are_del
     assert after[broken].retry_count == 1
     assert after[broken].last_error.startswith("MalformedPayloadError")
     assert all(r.processed_on is not None for row_id, r in after.items() if row_id != broken)
+
+
+@pytest.mark.parametrize("transport", [pytest.param("redis", marks=pytest.mark.redis)])
+async def test_a_batch_whose_delivery_raises_is_charged_row_by_row(started: Started) -> None:
+    """The deliverer answers per row; if it raises all the same (a bug, an injected fault), every
+    row of the batch is charged a retry under its own token, nothing is left leased."""
+    container, _, _ = started
+    deliverer = container.outbox_deliverer()
+
+    async def broken(*_: Any) -> list[Any]:
+        msg = "the deliverer itself failed"
+        raise RuntimeError(msg)
+
+    deliverer.deliver_published = broken  # type: ignore[method-assign]
+    result = await outbox_source(container, deliverer).run_cycle()
+    assert (result.claimed, result.completed) == (ROWS, 0)
+    rows = await all_rows(container)
+    assert [(r.retry_count, r.lock_token, r.processed_on) for r in rows] == [(1, None, None)] * ROWS
+    assert all("the deliverer itself failed" in r.last_error for r in rows)

@@ -352,7 +352,10 @@ class TableSource:
         limit = functools.partial(time_limit, self.settings.delivery_timeout_seconds, "delivery")
         with self._publish_spans(ours) as traced:
             window = self.settings.delivery_concurrency
-            outcomes = await self._deliverer.deliver_published(traced.rows, window, limit)
+            try:
+                outcomes = await self._deliverer.deliver_published(traced.rows, window, limit)
+            except Exception as error:  # noqa: BLE001 (it answers per row; raising fails them all)
+                outcomes = [error] * len(traced.rows)
             traced.record(outcomes)
         done = dict(
             zip(
