@@ -231,9 +231,12 @@ async def test_1_a_worker_frozen_past_its_lease_writes_no_outcome_when_it_resume
     (stamp, failure record, lease) changes after the resume, and its copies have no effect."""
     scene = await stage(transport, "--lease", "2")
     sent = await write_events(scene.container, 1500, key_of=cycling(40), per_commit=50)
-    # Only its relay is frozen: a frozen consumer would hold its prefetched messages as well.
-    await start_workers(scene.fleet, "other")
+    # Only its relay is frozen: a frozen consumer would hold its prefetched messages as well. It
+    # starts first: a relay publishing its batches whole drains the 40 keys' heads as soon as
+    # they are free, so a relay that starts second can find none until the backlog is gone.
     await start_workers(scene.fleet, "frozen", options=("--relay-only", "--after-publish-seconds", "0.2"))
+    await scene.fleet.said("frozen", "not stamped yet")
+    await start_workers(scene.fleet, "other")
     await wait_until(lambda: _count_at_least(scene.container, 200), 60, "the first 200 delivered")
     await scene.fleet.said("frozen", "not stamped yet", anew=True)  # publishes in flight now:
     scene.fleet.freeze("frozen")
