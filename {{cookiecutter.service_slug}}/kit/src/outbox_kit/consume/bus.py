@@ -222,7 +222,10 @@ class FastStreamBus:
         """Sign each envelope and publish them together; an outage becomes
         :class:`BrokerUnavailableError` (the circuit breaker's), any other error stays the message's."""
         messages = [(envelope, self._headers(envelope)) for envelope in envelopes]
-        results = await self.transport.publish_batch(messages, window)
+        try:
+            results = await self.transport.publish_batch(messages, window)
+        except Exception as error:  # noqa: BLE001 (before any message: the batch's channel, say)
+            return [self._classified(error)] * len(messages)
         return [
             self._classified(result) if isinstance(result, BaseException) else result for result in results
         ]

@@ -309,7 +309,12 @@ class Fleet:
         return worker.process.returncode
 
     async def stop_all(self) -> None:
+        """SIGTERM every worker and expect a clean exit. A worker restarted a moment ago is let
+        finish starting first: it installs its SIGTERM handling last (a fast drain can end
+        while one is still importing)."""
         for name in list(self.workers):
+            if self.workers[name].process.poll() is None:
+                await self.started(name)
             code, _ = await self.terminate(name)
             assert code == 0, f"{name} exited {code}:\n{self.tail(self.retired[-1])}"
 

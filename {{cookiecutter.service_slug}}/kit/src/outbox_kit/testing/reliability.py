@@ -333,7 +333,8 @@ async def test_4_a_broker_outage_longer_than_the_retry_curve_charges_nothing(
         rows = await outbox_rows(scene.container)
         await scene.check("4 broker outage", sent, notes=f"{claims:.0f} claims in {outage:.0f} s outage")
     assert [r for r in rows if r.dead_lettered_on is not None] == []
-    assert max(r.retry_count for r in rows) == 0, "an outage was charged to the rows"
+    charged = {r.last_error for r in rows if r.retry_count}
+    assert not charged, f"an outage was charged to the rows: {sorted(charged)[:3]}"
     # Paused, it claims at most about once per polling interval (0.2 s); a spinning relay
     # claims hundreds of times a second.
     assert claims <= 2 * outage / 0.2, f"{claims} claims in {outage} s: the relay spun"

@@ -33,6 +33,7 @@ so a failed probe never closes the channel FastStream publishes on."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
@@ -296,9 +297,12 @@ class RabbitTransport(FastStreamTransport):
         timeout = self._settings.publish_timeout_seconds
         if self.broker._connection is None:  # noqa: SLF001 (FastStream's own test of it)
             return await publish_each(self.publish_through_broker, messages, window, timeout)
-        exchange = self._declared or await self._resolve_exchange()
-        # aiormq's channel (its abstract class does not declare ``wait``).
-        channel = cast("aiormq.Channel", await exchange.channel.get_underlay_channel())
+        # aio-pika's robust channel waits for a lost connection to come back: bounded like a
+        # publish (a timeout is an outage of the batch, released uncharged).
+        async with asyncio.timeout(timeout):
+            exchange = self._declared or await self._resolve_exchange()
+            # aiormq's channel (its abstract class does not declare ``wait``).
+            channel = cast("aiormq.Channel", await exchange.channel.get_underlay_channel())
         name = self._exchange.name
 
         async def confirmed(envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
