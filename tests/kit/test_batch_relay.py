@@ -5,6 +5,7 @@ timing (that is ``make bench``)."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -48,13 +49,24 @@ Started = tuple[OutboxContainer, InFlight, list[str]]
 
 
 @pytest.fixture
-async def started(make_container: ContainerFactory, transport: str) -> AsyncIterator[Started]:
+def publish_timeout() -> float:
+    return 10.0
+
+
+@pytest.fixture
+async def started(
+    make_container: ContainerFactory, transport: str, publish_timeout: float
+) -> AsyncIterator[Started]:
     """A container on ``transport`` with a consumer bound (so publishes are routed), its bus
     started but not consuming, ``ROWS`` integration events committed, and the broker client's
     publish wrapped by an :class:`InFlight`; the UPDATE statements that stamp rows are recorded."""
     container = make_container(
         application={"namespace": f"batch{uuid.uuid4().hex[:8]}"},
-        message_bus={"transport": transport, "url": SERVICE_URLS[transport]},
+        message_bus={
+            "transport": transport,
+            "url": SERVICE_URLS[transport],
+            "publish_timeout_seconds": publish_timeout,
+        },
         outbox={"delivery_concurrency": 8, "batch_size": 50},
     )
     await install_kit(container)
@@ -151,3 +163,26 @@ async def test_a_batch_whose_delivery_raises_is_charged_row_by_row(started: Star
     rows = await all_rows(container)
     assert [(r.retry_count, r.lock_token, r.processed_on) for r in rows] == [(1, None, None)] * ROWS
     assert all("the deliverer itself failed" in r.last_error for r in rows)
+
+
+@pytest.mark.parametrize("publish_timeout", [0.5])
+@pytest.mark.parametrize("transport", [pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)])
+async def test_a_batch_whose_channel_does_not_come_back_is_paused_not_charged(started: Started) -> None:
+    """aio-pika's robust channel waits for a lost connection to come back: that wait is bounded
+    by the publish timeout and is an outage of the batch (released, no retry charged), never the
+    delivery's time limit (which charges every row)."""
+    container, flight, _ = started
+    exchange = await container.bus().transport._resolve_exchange()  # type: ignore[attr-defined]
+
+    async def never() -> None:
+        await asyncio.Event().wait()
+
+    exchange.channel.get_underlay_channel = never
+    try:
+        result = await outbox_source(container, container.outbox_deliverer()).run_cycle()
+    finally:
+        del exchange.channel.get_underlay_channel  # the channel's own again (teardown uses it)
+    assert (result.claimed, result.completed, flight.calls) == (ROWS, 0, 0)
+    rows = await all_rows(container)
+    assert [(r.retry_count, r.lock_token, r.processed_on) for r in rows] == [(0, None, None)] * ROWS
+    assert all(r.last_error.startswith("paused, not charged") for r in rows)
