@@ -1,27 +1,32 @@
-"""One table's cycle: claim a batch, then renew -> deliver -> record per row; and what a cycle
-does when the process stops in the middle of it.
+"""One table's cycle: claim a batch, publish the rows delivered by a publish together and
+deliver the others one by one, write the outcomes; and what a cycle does when the process stops
+in the middle of it.
 
-What one cycle does when the process stops in the middle of it (a cancellation).
+The rows a publish delivers (integration events on a broker transport) are published as one
+batch (:meth:`TableSource._publish`): every publish in flight at once, each awaiting its own
+broker acknowledgement, under one delivery time limit; then the outcomes, one statement per
+kind (``Outcomes.record_published``). A batch never holds two rows of one key (the claim's
+guarantee), so publishing them together cannot reorder a key. The renewal is one statement for
+the batch, skipped while the claim's lease outlasts the delivery's time limit.
 
-Nothing is charged. Deliveries already started run on and write their outcomes; rows the cycle
-never reached are released at once, beside them (a delivery or write that hangs must not use up
-the time their release needs); halfway to the deadline what still runs is cancelled and its rows
-are released too, claimable again at once. Everything shares one deadline
-(``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's wait of the shutdown timeout covers all a
-cycle does. A stop during the claim itself gives back the whole batch (``claim``). Every
-release is token-guarded: a row whose outcome was written no longer matches.
+The other rows (local handlers, internal commands) go renew -> deliver -> record per row, up to
+``OUTBOX__DELIVERY_CONCURRENCY`` at once and no more than the database pool, each under
+``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never returns is cancelled and charged like any
+failure, so it holds its own row only, never the cycle. Their stamps, when the handlers' own
+transaction does not write them, are grouped (``outcomes``).
 
-One table drained by one processor: claim a batch, then renew -> deliver -> record per row.
+What one cycle does when the process stops in the middle of it (a cancellation): nothing is
+charged. Deliveries already started (a published batch included) run on and write their
+outcomes; rows the cycle never reached are released at once, beside them (a delivery or write
+that hangs must not use up the time their release needs); halfway to the deadline what still
+runs is cancelled and its rows are released too, claimable again at once. Everything shares one
+deadline (``OUTBOX__SHUTDOWN_TIMEOUT_SECONDS``), so the worker's wait of the shutdown timeout
+covers all a cycle does. A stop during the claim itself gives back the whole batch (``claim``).
+Every release is token-guarded: a row whose outcome was written no longer matches.
 
-(The renewal is skipped for a publish while the claim's lease outlasts the delivery's time
-limit, and the stamps of rows that finish together share one statement: see ``_needs_renewal``
-and ``outcomes``.) Every delivery runs under ``OUTBOX__DELIVERY_TIMEOUT_SECONDS``: one that never
-returns is cancelled and charged like any failure, so it holds its own row only, never the cycle.
-
-This is the per-row half of the shared polling core; what "deliver" means is the only thing
-the outbox and the internal-command processors do differently (a ``Deliverer``). Each row's
-outcome is written as soon as it finishes (``outcomes``); a stop in the middle of a cycle is
-:class:`CycleShutdown`'s business; the claim statement is ``claim``'s."""
+This is the per-table half of the shared polling core; what "deliver" means is the only thing
+the outbox and the internal-command processors do differently (a ``Deliverer``); the claim
+statement is ``claim``'s."""
 
 from __future__ import annotations
 

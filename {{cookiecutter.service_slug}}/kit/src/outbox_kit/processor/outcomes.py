@@ -10,8 +10,12 @@ How a failed attempt is charged: the next retry count and, when it is the last, 
   not count as a miss, nor does a miss before a replay (a replay keeps ``last_error`` but resets
   ``retry_count``). ``max_retries=1`` means no retry at all.
 
-Processed stamps written together: one token-guarded UPDATE for a group of rows (a group
-commit), flushed when the first of these comes:
+A batch published together is recorded together (:meth:`Outcomes.record_published`): once every
+publish of the batch has ended, its confirmed rows are stamped by one token-guarded UPDATE, its
+paused rows released by one, the rest row by row.
+
+The stamps of rows delivered one by one are written together too: one token-guarded UPDATE for a
+group of rows (a group commit), flushed when the first of these comes:
 
 * the group holds ``group_rows`` stamps (the source's delivery concurrency, at most its batch);
 * no delivery of the cycle's batch is still running (``expect`` / ``delivery_ended``): the batch's
