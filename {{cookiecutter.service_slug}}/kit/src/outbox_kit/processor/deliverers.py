@@ -91,13 +91,13 @@ class OutboxDeliverer:
         return row.kind != DOMAIN and self._bus.name != Transport.INPROCESS
 
     async def deliver(self, row: ClaimedRow, token: uuid.UUID, limit: TimeLimit) -> Delivered | Unrouted:
-        if row.kind != DOMAIN:  # a batch of one
-            (outcome,) = await self.deliver_published([row], 1, limit)
-            if isinstance(outcome, BaseException):
-                raise outcome
-            return outcome
-        message, _ = self._loaded(row)
         with restored(row.captured_context(), authentication_type=OUTBOX_AUTHENTICATION):
+            if row.kind != DOMAIN:  # a batch of one, under the row's context (its lines logged)
+                (outcome,) = await self.deliver_published([row], 1, limit)
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                return outcome
+            message, _ = self._loaded(row)
             if not self._handlers.has_domain_handlers(type(message)):
                 if not self._handlers.is_record_only(type(message)):
                     self._warn_no_handler(row.name)
