@@ -304,9 +304,8 @@ class TableSource:
             work.append((asyncio.ensure_future(self._publish(published, token)), published))
         if work:
             try:
-                await asyncio.wait(
-                    [task for task, _ in work]
-                )  # not gather: a cancelled gather waits for its children
+                # Not gather: a cancelled gather waits for its children.
+                await asyncio.wait([task for task, _ in work])
             except asyncio.CancelledError:
                 await self._shutdown.stop(work, started, token)
                 await self.outcomes.stamps.settle(self._shutdown.deadline())
@@ -362,13 +361,8 @@ class TableSource:
             except Exception as error:  # noqa: BLE001 (it answers per row; raising fails them all)
                 outcomes = [error] * len(traced.rows)
             traced.record(outcomes)
-        done = dict(
-            zip(
-                [row.id for row in ours],
-                await self.outcomes.record_published(ours, outcomes, token),
-                strict=True,
-            )
-        )
+        recorded = await self.outcomes.record_published(ours, outcomes, token)
+        done = {row.id: ok for row, ok in zip(ours, recorded, strict=True)}
         return [done.get(row.id, False) for row in rows]
 
     @contextlib.contextmanager

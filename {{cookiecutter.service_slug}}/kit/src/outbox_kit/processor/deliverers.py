@@ -41,6 +41,7 @@ from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.in_process import LocalDispatcher
+from outbox_kit.processor.processor import RowByRow
 from outbox_kit.transports.bus import (
     CircuitBreaker,
     Delivered,
@@ -177,7 +178,7 @@ class NoCommandHandlerError(LookupError):
     """A command was scheduled but no handler is registered for it on this host."""
 
 
-class CommandDeliverer:
+class CommandDeliverer(RowByRow):
     """Runs one internal command in its own unit of work."""
 
     def __init__(
@@ -187,19 +188,6 @@ class CommandDeliverer:
         self._handlers = handlers
         self._units = units
         self._store = LeaseStore(COMMAND_TABLE)
-
-    def publishes(self, row: ClaimedRow) -> bool:
-        """A command is never published: its handler runs here."""
-        del row
-        return False
-
-    async def deliver_published(
-        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
-    ) -> list[Delivered | Unrouted | BaseException]:
-        """Never called (nothing :meth:`publishes`)."""
-        del window, limit
-        msg = f"internal commands are not published ({len(rows)} rows)"
-        raise TypeError(msg)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         """A command's handler holds a database session: always a whole lease first."""

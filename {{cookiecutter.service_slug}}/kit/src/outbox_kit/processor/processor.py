@@ -79,6 +79,23 @@ class Deliverer(Protocol):
         ...
 
 
+class RowByRow:
+    """For a :class:`Deliverer` that never publishes: every row goes through ``deliver``, one by
+    one (the internal commands', and the test deliverers')."""
+
+    def publishes(self, row: ClaimedRow) -> bool:
+        del row
+        return False
+
+    async def deliver_published(
+        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
+    ) -> list[Delivered | Unrouted | BaseException]:
+        """Never called: nothing :meth:`publishes`."""
+        del window, limit
+        msg = f"{type(self).__name__} delivers row by row, it publishes no batch ({len(rows)} rows)"
+        raise TypeError(msg)
+
+
 @dataclass(frozen=True)
 class SourceSettings:
     """The knobs of one polled table (the ``OUTBOX__*`` settings)."""

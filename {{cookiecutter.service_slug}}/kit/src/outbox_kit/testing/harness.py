@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -44,9 +44,9 @@ from outbox_kit.persistence.unit_of_work import (
 )
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
-from outbox_kit.processor.processor import SourceSettings
+from outbox_kit.processor.processor import RowByRow, SourceSettings
 from outbox_kit.runtime.container import OutboxContainer, source_settings
-from outbox_kit.transports.bus import Delivered, Unrouted
+from outbox_kit.transports.bus import Delivered
 
 metadata = sa.MetaData()
 COUNTERS = sa.Table(
@@ -258,7 +258,7 @@ class FakeClock:
 
 
 @dataclass
-class ScriptedDeliverer:
+class ScriptedDeliverer(RowByRow):
     """Delivers by running ``script(row)``; records what it was asked to deliver."""
 
     script: Callable[[ClaimedRow], Awaitable[Delivered]] | None = None
@@ -268,18 +268,6 @@ class ScriptedDeliverer:
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         del row
         return self.fresh_lease
-
-    def publishes(self, row: ClaimedRow) -> bool:
-        """Row by row, each through ``script`` (the service's deliverer publishes in batches)."""
-        del row
-        return False
-
-    async def deliver_published(
-        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
-    ) -> list[Delivered | Unrouted | BaseException]:
-        del window, limit
-        msg = f"a scripted deliverer delivers row by row ({len(rows)} rows)"
-        raise TypeError(msg)
 
     def span_kind(self, row: ClaimedRow) -> SpanKind:
         del row

@@ -95,6 +95,7 @@ from outbox_kit.processor.cycle import (
 )
 from outbox_kit.processor.processor import (
     Processor,
+    RowByRow,
     SourceSettings,
 )
 from outbox_kit.runtime import cli
@@ -504,7 +505,7 @@ def assert_keys_flowed_in_order(rows: list[Any], effects: list[Any]) -> None:
 # -- parts of the pipeline, one per process -------------------------------------------------------
 
 
-class RecordingDeliverer:
+class RecordingDeliverer(RowByRow):
     """Records each delivery; can hang on its first row (to be killed) or fail poison rows."""
 
     def __init__(
@@ -514,18 +515,6 @@ class RecordingDeliverer:
         self.name = name
         self.hang_first = hang_first
         self.takes_seconds = takes_seconds  # a delivery that takes time, like a real publish
-
-    def publishes(self, row: ClaimedRow) -> bool:
-        """Each row on its own, like a handler."""
-        del row
-        return False
-
-    async def deliver_published(
-        self, rows: Sequence[ClaimedRow], window: int, limit: TimeLimit
-    ) -> list[Delivered | Unrouted | BaseException]:
-        del window, limit
-        msg = f"not a publisher ({len(rows)} rows)"
-        raise TypeError(msg)
 
     def needs_fresh_lease(self, row: ClaimedRow) -> bool:
         """It writes an effect like a handler: a whole lease before each row."""
