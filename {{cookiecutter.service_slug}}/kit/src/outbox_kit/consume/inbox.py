@@ -49,15 +49,36 @@ The handler's time limit (``MESSAGE_BUS__HANDLER_TIMEOUT_SECONDS``) covers the h
 commit: past it the handler is cancelled, its unit of work rolls back and the run fails with
 ``TimeLimitExceededError`` (redelivered, then dead-lettered). The commit, and the in-process
 dispatch of the domain events it wrote (under the delivery's own limits), run unlimited by it: a
-message whose inbox row committed is never failed, so never dead-lettered, by a limit."""
+message whose inbox row committed is never failed, so never dead-lettered, by a limit.
+
+Batches (PostgreSQL). Messages of one consumer that are ready at the same moment
+(``consume.batch``) share one transaction, at most ``MESSAGE_BUS__CONSUME_BATCH_SIZE`` of them:
+
+* one statement writes their inbox rows, in message id order (two batches that share messages
+  lock them in the same order, so they never deadlock); the messages already there are settled
+  as duplicates (or ``conflicting_duplicate``) as above;
+* each other message's handler runs in a unit of work of its own on that transaction, with its
+  own context restored and its own time limit, and what it decided is written there (its outbox
+  rows carry its context); then one COMMIT, and each message is acknowledged by its own task;
+* a handler that fails rolls the transaction back: that message alone fails (redelivered or
+  dead-lettered, as above) and the others run again without it, so one poison message never
+  costs its neighbours an attempt; an unreachable database fails them all, uncharged (the
+  consume wrapper holds them); a failure of none in particular (the receipts, the commit: a
+  deadlock with another writer, say) runs each alone, in a transaction of its own;
+* a second copy of a message in the same batch waits for the next round, where it is a duplicate;
+* each message's consume span covers its handler; the commit is the batch's.
+
+A message that arrives alone runs at once, alone. On SQLite every message has a transaction of
+its own (its single writer gains nothing from a batch)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -75,14 +96,16 @@ from outbox_kit.application.observability import (
     Clock,
     NoTracing,
     RelayMetrics,
+    Span,
     SpanKind,
     Tracing,
     time_limit,
 )
+from outbox_kit.consume.batch import Batches, Submitted
 from outbox_kit.domain import Message
-from outbox_kit.persistence.database import handler_scope
+from outbox_kit.persistence.database import handler_scope, is_database_outage
 from outbox_kit.persistence.tables import INBOX_TABLE, upsert
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SharedTransaction, SqlUnitOfWork, SqlUnitOfWorkFactory, Staged
 from outbox_kit.transports.envelope import (
     MESSAGE_AUTHENTICATION,
     Envelope,
@@ -161,10 +184,32 @@ log = logging.getLogger(__name__)
 INBOX = INBOX_TABLE
 RECEIPT_ATTEMPTS = 2
 
+# A batch's inbox rows, one statement whatever the batch's size (PostgreSQL only: batches run
+# there), inserted in message id order so two batches that share messages lock them in the same
+# order and never deadlock on each other's receipts.
+BATCH_RECEIPT = sa.text(
+    f"INSERT INTO {INBOX.name}"  # noqa: S608 (a constant table name, every value bound)
+    " (message_id, consumer, event_name, tenant_id, correlation_id, received_on, body_digest)"
+    " SELECT m, :consumer, e, t, c, :received_on, d FROM unnest("
+    "CAST(:message_ids AS VARCHAR[]), CAST(:event_names AS VARCHAR[]), CAST(:tenant_ids AS VARCHAR[]),"
+    " CAST(:correlation_ids AS VARCHAR[]), CAST(:digests AS VARCHAR[])) AS received(m, e, t, c, d)"
+    " ORDER BY m ON CONFLICT (message_id, consumer) DO NOTHING RETURNING message_id"
+).bindparams(sa.bindparam("received_on", type_=sa.DateTime(timezone=True)))
+
 
 class ConsumeOutcome(Enum):
     CONSUMED = "consumed"
     DUPLICATE = "duplicate"
+
+
+@dataclass(frozen=True)
+class Read:
+    """A submitted message, verified and decoded, with the digest its inbox row keeps."""
+
+    item: Submitted[ConsumeOutcome]
+    envelope: Envelope
+    message: Message
+    digest: str
 
 
 class ConsumePipeline:
@@ -183,6 +228,7 @@ class ConsumePipeline:
         inbox_retention_days: int = 0,
         max_header_bytes: int = 4096,
         tracing: Tracing | None = None,
+        batch_size: int = 1,
     ) -> None:
         self._max_age = (
             timedelta(days=inbox_retention_days) if inbox_enabled and inbox_retention_days else None
@@ -197,18 +243,54 @@ class ConsumePipeline:
         self._metrics = metrics
         self._clock = clock
         self._receipts: dict[str, sa.Executable] = {}  # per dialect, built on first use
+        self._batch_size = batch_size
+        self._batches: dict[str, Batches[ConsumeOutcome]] = {}  # per consumer
 
     async def consume(
         self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
     ) -> ConsumeOutcome:
-        """Process one message for one consumer (see the module docstring)."""
+        """Process one message for one consumer (see the module docstring). On PostgreSQL, with
+        other messages of the consumer ready at the same moment, in one transaction with them
+        (see "Batches" in the module docstring)."""
+        if self._batch_size == 1 or not self._units(consumer.name).database.is_postgresql:
+            return await self.consume_one(consumer, headers, body)
+        batches = self._batches.get(consumer.name)
+        if batches is None:
+            run = functools.partial(self._consume_batch, consumer)
+            batches = self._batches[consumer.name] = Batches(run, self._batch_size)
+        return await batches.submit(headers, body)
+
+    async def consume_one(
+        self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
+    ) -> ConsumeOutcome:
+        """Process one message in a transaction of its own."""
+        envelope, message = self._read(consumer, headers, body)
+        with self._consuming(consumer, envelope) as span:
+            try:
+                outcome = await self._run(consumer, message, envelope)
+            except Exception as error:
+                self._count_failure(consumer, error)
+                raise
+            span.set_attribute("inbox.outcome", outcome.value)
+        self._count(consumer, envelope, outcome)
+        return outcome
+
+    def _read(
+        self, consumer: Consumer[Any], headers: Mapping[str, object], body: bytes
+    ) -> tuple[Envelope, Message]:
+        """Verify and decode: what cannot be trusted or read raises :class:`RejectedMessageError`."""
         try:
             envelope = read_envelope(headers, body, self._signer, max_header_bytes=self._max_header_bytes)
             refuse_stale(envelope, self._clock(), self._max_age)
-            message = decode(self._registry, consumer, envelope.event_name, body)
+            return envelope, decode(self._registry, consumer, envelope.event_name, body)
         except RejectedMessageError as rejected:
             self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
             raise
+
+    @contextmanager
+    def _consuming(self, consumer: Consumer[Any], envelope: Envelope) -> Iterator[Span]:
+        """The message's consume span, and its context restored (what its handler enqueues
+        carries the span: the trace goes on to the next hop)."""
         delivery = Delivery(envelope.message_id, envelope.event_name, consumer.name)
         attributes = {"messaging.message.id": envelope.message_id, "messaging.consumer.name": consumer.name}
         with self._tracing.span(
@@ -217,29 +299,27 @@ class ConsumePipeline:
             traceparent=envelope.context.traceparent,
             attributes=attributes,
         ) as span:
-            # What the handler enqueues carries this span: the trace goes on to the next hop.
             context = envelope.context
             if span.traceparent != context.traceparent:
                 context = dataclasses.replace(context, traceparent=span.traceparent)
             with restored(context, authentication_type=MESSAGE_AUTHENTICATION), delivering(delivery):
-                try:
-                    outcome = await self._run(consumer, message, envelope)
-                except RejectedMessageError as rejected:  # a conflicting duplicate
-                    self._metrics.inbox_rejected.labels(consumer.name, rejected.reason).inc()
-                    raise
-                except Exception:
-                    self._metrics.inbox_failures.labels(consumer.name).inc()
-                    raise
-            span.set_attribute("inbox.outcome", outcome.value)
+                yield span
+
+    def _count_failure(self, consumer: Consumer[Any], error: BaseException) -> None:
+        if isinstance(error, RejectedMessageError):  # a conflicting duplicate
+            self._metrics.inbox_rejected.labels(consumer.name, error.reason).inc()
+        else:
+            self._metrics.inbox_failures.labels(consumer.name).inc()
+
+    def _count(self, consumer: Consumer[Any], envelope: Envelope, outcome: ConsumeOutcome) -> None:
         if outcome is ConsumeOutcome.DUPLICATE:
             self._metrics.inbox_duplicates.labels(consumer.name).inc()
             log.info("%s skipped duplicate message %s", consumer.name, envelope.message_id)
         else:
             self._metrics.inbox_consumed.labels(consumer.name).inc()
-        return outcome
 
     async def _run(self, consumer: Consumer[Any], message: Message, envelope: Envelope) -> ConsumeOutcome:
-        digest = hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
+        digest = self._digest(envelope)
         units = self._units(consumer.name)  # the consumer's context's source: its inbox, its tables
         async with units() as uow:
             session = uow.session
@@ -257,9 +337,7 @@ class ConsumePipeline:
                 )
                 if known:
                     return ConsumeOutcome.DUPLICATE
-            async with time_limit(self._handler_timeout, "handler"):  # the handler, not the commit
-                with handler_scope(handler_name(consumer.handler)):
-                    await consumer.handler(message, uow)
+            await self._handle(consumer, message, uow)
             late_receipt = self._inbox and not receipt_first
             if late_receipt and not await self._first_receipt(
                 session, dialect, consumer.name, envelope, digest
@@ -268,6 +346,174 @@ class ConsumePipeline:
                 return ConsumeOutcome.DUPLICATE
             await uow.commit()
         return ConsumeOutcome.CONSUMED
+
+    def _digest(self, envelope: Envelope) -> str:
+        return hashlib.sha256(envelope.body).hexdigest() if self._inbox else ""  # only the inbox keeps it
+
+    async def _handle(self, consumer: Consumer[Any], message: Message, uow: SqlUnitOfWork) -> None:
+        async with time_limit(self._handler_timeout, "handler"):  # the handler, not the commit
+            with handler_scope(handler_name(consumer.handler)):
+                await consumer.handler(message, uow)
+
+    # -- a batch: one transaction for the messages ready together ------------------------------
+
+    async def _consume_batch(
+        self, consumer: Consumer[Any], items: Sequence[Submitted[ConsumeOutcome]]
+    ) -> None:
+        """Settle every item (see "Batches" in the module docstring)."""
+        if len(items) == 1:
+            await self._consume_alone(consumer, items[0])
+            return
+        ready: list[Read] = []
+        for item in items:
+            try:
+                envelope, message = self._read(consumer, item.headers, item.body)
+            except RejectedMessageError as rejected:
+                item.fail(rejected)
+                continue
+            ready.append(Read(item, envelope, message, self._digest(envelope)))
+        while ready:  # a copy of a message already in this round waits for the next one
+            seen: set[str] = set()
+            this_round: list[Read] = []
+            later: list[Read] = []
+            for read in ready:
+                (later if read.envelope.message_id in seen else this_round).append(read)
+                seen.add(read.envelope.message_id)
+            while this_round:
+                this_round = await self._attempt(consumer, this_round)
+            ready = later
+
+    async def _attempt(self, consumer: Consumer[Any], reads: list[Read]) -> list[Read]:
+        """Run ``reads`` in one transaction and settle them. When one message's handler fails,
+        only that message is settled (with its failure); the others are returned, to be run
+        again without it."""
+        units = self._units(consumer.name)
+        shared = SharedTransaction(units.database.sessions(), units.writer.new_lease(units.clock()))
+        staged: list[tuple[Read, SqlUnitOfWork, Staged]] = []
+        running: Read | None = None
+        failure: Exception | None = None
+        try:
+            for read in await self._receive(shared.session, consumer.name, units.database.dialect, reads):
+                running = read
+                staged.append(await self._stage(consumer, read, units(shared=shared)))
+            running = None
+            await self._commit(units, shared, [done for _, _, done in staged])
+        except Exception as error:  # noqa: BLE001 (settled below, message by message)
+            failure = error
+        finally:
+            await shared.session.close()
+        if failure is not None:
+            return await self._after_failure(consumer, reads, running, failure)
+        for read, uow, done in staged:
+            with restored(read.envelope.context, authentication_type=MESSAGE_AUTHENTICATION):
+                await uow.committed_as(done)
+                self._count(consumer, read.envelope, ConsumeOutcome.CONSUMED)
+            read.item.settle(ConsumeOutcome.CONSUMED)
+        return []
+
+    async def _receive(
+        self, session: AsyncSession, consumer: str, dialect: str, reads: list[Read]
+    ) -> list[Read]:
+        """Write the batch's inbox rows in one statement; settle the messages already consumed
+        (duplicates) and return the others, to be handled."""
+        if not self._inbox:
+            return reads
+        inserted = await self._receipts_of(session, consumer, reads)
+        fresh: list[Read] = []
+        for read in reads:
+            if read.envelope.message_id in inserted:
+                fresh.append(read)
+                continue
+            envelope = read.envelope
+            with restored(envelope.context, authentication_type=MESSAGE_AUTHENTICATION):
+                try:
+                    known = await self._already_consumed(session, envelope.message_id, consumer, read.digest)
+                    # Not known: purged between the two statements (past its retention); insert it alone.
+                    if not known and await self._first_receipt(
+                        session, dialect, consumer, envelope, read.digest
+                    ):
+                        fresh.append(read)
+                        continue
+                except RejectedMessageError as rejected:  # a conflicting duplicate
+                    self._metrics.inbox_rejected.labels(consumer, rejected.reason).inc()
+                    read.item.fail(rejected)
+                    continue
+                self._metrics.inbox_duplicates.labels(consumer).inc()
+                log.info("%s skipped duplicate message %s", consumer, envelope.message_id)
+            read.item.settle(ConsumeOutcome.DUPLICATE)
+        return fresh
+
+    async def _receipts_of(self, session: AsyncSession, consumer: str, reads: list[Read]) -> set[str]:
+        """The message ids whose inbox row this statement wrote (the others have one already)."""
+        contexts = [read.envelope.context for read in reads]
+        params = {
+            "consumer": consumer,
+            "received_on": self._clock(),
+            "message_ids": [read.envelope.message_id for read in reads],
+            "event_names": [read.envelope.event_name for read in reads],
+            "tenant_ids": [context.tenant_id for context in contexts],
+            "correlation_ids": [context.correlation_id for context in contexts],
+            "digests": [read.digest for read in reads],
+        }
+        result = await session.exec(BATCH_RECEIPT, params=params)  # type: ignore[call-overload]
+        return {row[0] for row in result}
+
+    async def _stage(
+        self, consumer: Consumer[Any], read: Read, uow: SqlUnitOfWork
+    ) -> tuple[Read, SqlUnitOfWork, Staged]:
+        """Run the message's handler in its own unit of work on the batch's transaction, and
+        write what it decided (its outbox rows carry this message's context)."""
+        with self._consuming(consumer, read.envelope) as span:
+            async with uow:
+                await self._handle(consumer, read.message, uow)
+                staged = await uow.stage()
+            span.set_attribute("inbox.outcome", ConsumeOutcome.CONSUMED.value)
+        return read, uow, staged
+
+    @staticmethod
+    async def _commit(units: SqlUnitOfWorkFactory, shared: SharedTransaction, staged: list[Staged]) -> None:
+        """One COMMIT for the batch; when its units of work leased rows to this process, under
+        their shared lease, given back if a cancellation interrupts the commit."""
+        commit = shared.session.commit()
+        if all(done.outbox.lease_until is None for done in staged):
+            await commit
+            return
+        await units.after_commit.commit_leased(commit, shared.lease.token, shared.lease.until)
+
+    async def _after_failure(
+        self, consumer: Consumer[Any], reads: list[Read], running: Read | None, error: Exception
+    ) -> list[Read]:
+        """Settle a failed attempt: the message whose handler failed fails alone and the others
+        go again; an unreachable database fails them all (each is held, uncharged, by the
+        consume wrapper); a failure of none in particular (the receipts, the commit) runs each
+        alone."""
+        unsettled = [read for read in reads if not read.item.settled]
+        outage = is_database_outage(error)
+        if running is not None and not outage:
+            self._count_failure(consumer, error)
+            running.item.fail(error)
+            return [read for read in unsettled if read is not running]
+        if outage:
+            for read in unsettled:
+                self._count_failure(consumer, error)
+                read.item.fail(error)
+            return []
+        log.warning(
+            "%s: a batch of %s messages failed as a whole (%s: %s); each runs alone",
+            consumer.name,
+            len(unsettled),
+            type(error).__name__,
+            error,
+        )
+        for read in unsettled:
+            await self._consume_alone(consumer, read.item)
+        return []
+
+    async def _consume_alone(self, consumer: Consumer[Any], item: Submitted[ConsumeOutcome]) -> None:
+        try:
+            item.settle(await self.consume_one(consumer, item.headers, item.body))
+        except Exception as error:  # noqa: BLE001 (the message's own outcome, raised in its task)
+            item.fail(error)
 
     async def _first_receipt(
         self, session: AsyncSession, dialect: str, consumer: str, envelope: Envelope, digest: str

@@ -127,6 +127,16 @@ class WrittenRow:
     message: Message
 
 
+@dataclass(frozen=True)
+class Lease:
+    """Where the rows a commit leases to this process (for in-process dispatch) are leased: one
+    token and one end for all of them. Units of work that commit in one transaction (a consumed
+    batch) share one, so the commit that gives them back on a cancellation finds them all."""
+
+    token: uuid.UUID
+    until: datetime
+
+
 @dataclass
 class Capture:
     """Everything one commit writes."""
@@ -231,8 +241,10 @@ class RelayWriter:
         commands: Sequence[tuple[InternalCommand, datetime | None]],
         context: CapturedContext,
         now: datetime,
+        lease: Lease | None = None,
     ) -> Capture:
-        capture = Capture()
+        lease = lease or self.new_lease(now)
+        capture = Capture(lock_token=lease.token)
         for event in events:
             leased = self._immediate and self._handlers.has_domain_handlers(type(event))
             values = self._base(event, context, now) | {
@@ -245,8 +257,8 @@ class RelayWriter:
             }
             if leased:
                 values |= {
-                    "locked_until": now + self._lease,
-                    "lock_token": capture.lock_token,
+                    "locked_until": lease.until,
+                    "lock_token": lease.token,
                     "locked_by": self._instance_id,
                 }
             capture.rows.append(StagedRow(OUTBOX_TABLE, values, event, leased=leased))
@@ -266,6 +278,10 @@ class RelayWriter:
             }
             capture.rows.append(StagedRow(COMMAND_TABLE, values, command, leased=False))
         return capture
+
+    def new_lease(self, now: datetime) -> Lease:
+        """A fresh lease from ``now`` for the rows of one commit."""
+        return Lease(uuid.uuid4(), now + self._lease)
 
     async def write(self, session: AsyncSession, capture: Capture) -> list[WrittenRow]:
         """Insert the staged rows; return the leased ones for in-process dispatch."""
@@ -383,6 +399,25 @@ class _Captured:
         return [event for _, _, pending in self.aggregates for event in pending]
 
 
+@dataclass(frozen=True)
+class Staged:
+    """What a unit of work wrote into its transaction, for the steps after the commit."""
+
+    captured: _Captured
+    new_versions: list[tuple[AggregateRoot, int]]
+    outbox: Capture
+    written: list[WrittenRow]
+
+
+@dataclass(frozen=True)
+class SharedTransaction:
+    """One session that several units of work write into and that commits once for all of them
+    (a consumed batch: ``consume.inbox``), with the one lease their in-process rows share."""
+
+    session: AsyncSession
+    lease: Lease
+
+
 async def run_before_commit(
     writes: list[Callable[[], Awaitable[None]]], new_versions: list[tuple[AggregateRoot, int]]
 ) -> None:
@@ -445,9 +480,12 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
     delivery machinery uses: the session and processed stamps.
     """
 
-    def __init__(self, factory: SqlUnitOfWorkFactory, *, depth: int = 0) -> None:
+    def __init__(
+        self, factory: SqlUnitOfWorkFactory, *, depth: int = 0, shared: SharedTransaction | None = None
+    ) -> None:
         self._factory = factory
         self.depth = depth
+        self._shared = shared
         self._session: AsyncSession | None = None
         self._reset()
 
@@ -463,14 +501,14 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
             msg = "this unit of work is already open"
             raise UnitOfWorkStateError(msg)
         self._reset()
-        self._session = self._factory.database.sessions()
+        self._session = self._factory.database.sessions() if self._shared is None else self._shared.session
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         session, self._session = self._session, None
-        if session is None:
+        if session is None or self._shared is not None:  # a shared session is its owner's to end
             return
         try:
             if not self.committed:
@@ -554,6 +592,17 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         self._reset()
 
     async def commit(self) -> None:
+        refuse_commit_in_handler()  # first: a handler's commit is named as that
+        if self._shared is not None:
+            msg = "this unit of work shares its transaction: its owner writes it (stage) and commits it"
+            raise UnitOfWorkStateError(msg)
+        staged = await self.stage()
+        await self._commit_session(staged.outbox)
+        await self.committed_as(staged)
+
+    async def stage(self) -> Staged:
+        """Steps 1-3 of ``commit()``: everything it writes, written into the transaction, not
+        committed. The owner of a shared transaction commits it, then calls :meth:`committed_as`."""
         refuse_commit_in_handler()
         if self.committed:
             msg = "this unit of work has already committed; open a new one"
@@ -563,13 +612,17 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         await self._run_before_commit(new_versions)
         outbox, written = await self._write_rows(captured)
         await self._records.apply(self.session, self.now)
-        await self._commit_session(outbox)
+        return Staged(captured, new_versions, outbox, written)
+
+    async def committed_as(self, staged: Staged) -> None:
+        """Steps 4-5 of ``commit()``, once the transaction that holds ``staged`` committed."""
         self.committed = True
+        captured = staged.captured
         for aggregate, _, aggregate_events in captured.aggregates:
             aggregate.remove_events(aggregate_events)
-        for aggregate, version in new_versions:
+        for aggregate, version in staged.new_versions:
             aggregate.version = version
-        await self._after_commit(captured, outbox, written)
+        await self._after_commit(captured, staged.outbox, staged.written)
 
     async def _persist_aggregates(self, captured: _Captured) -> list[tuple[AggregateRoot, int]]:
         return [
@@ -599,6 +652,7 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
             commands=self._commands,
             context=capture_context(),
             now=self.now,
+            lease=None if self._shared is None else self._shared.lease,
         )
         return outbox, await self._factory.writer.write(self.session, outbox)
 
@@ -658,8 +712,8 @@ class SqlUnitOfWorkFactory:
         self.adapters: Mapping[type[Any], Adapter] = dict(adapters or {})
         self.transient_retry_attempts = database.settings.transient_retry_attempts
 
-    def __call__(self, *, depth: int = 0) -> SqlUnitOfWork:
-        return SqlUnitOfWork(self, depth=depth)
+    def __call__(self, *, depth: int = 0, shared: SharedTransaction | None = None) -> SqlUnitOfWork:
+        return SqlUnitOfWork(self, depth=depth, shared=shared)
 
     def refuse_foreign(self, port: type[Any]) -> None:
         there = self.foreign_ports.get(port)

@@ -568,6 +568,7 @@ class OutboxContainer(containers.DeclarativeContainer):
         inbox_retention_days=settings.provided.inbox.retention_days,
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
         tracing=tracing,
+        batch_size=settings.provided.message_bus.consume_batch_size,
     )
     bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics, tracing)
     breaker = providers.Singleton(
