@@ -297,3 +297,26 @@ async def test_a_failure_the_runner_sets_reaches_only_its_message() -> None:
     )
     assert outcomes[0] == outcomes[2] == "ok"
     assert isinstance(outcomes[1], ValueError)
+
+
+async def test_a_slow_batch_holds_up_only_itself_while_others_may_run() -> None:
+    """With room for two batches at once, messages that arrive while one batch is stuck (a slow
+    handler) run in a second batch meanwhile."""
+    hold = asyncio.Event()
+
+    async def run(items: Sequence[Submitted[bytes]]) -> None:
+        if any(item.body == b"slow" for item in items):
+            await hold.wait()
+        for item in items:
+            item.settle(item.body)
+
+    batches: Batches[bytes] = Batches(run, size=10, concurrency=2)
+    slow = asyncio.ensure_future(batches.submit({}, b"slow"))
+    await asyncio.sleep(0.01)
+    assert (
+        await asyncio.wait_for(asyncio.gather(*(batches.submit({}, b"quick") for _ in range(3))), 5)
+        == [b"quick"] * 3
+    )
+    assert not slow.done()
+    hold.set()
+    assert await slow == b"slow"

@@ -2,11 +2,14 @@
 
 A broker that hands a consumer several messages at once runs each in a task of its own
 (RabbitMQ delivers each message to a task; NATS runs a pulled batch in a task group). Each task
-submits its message here and waits for its outcome: the first to find nobody leading leads. It
-yields once, so the messages ready at that moment join it, takes up to
+submits its message here and waits for its outcome. While fewer than
+``MESSAGE_BUS__CONSUME_CONCURRENCY`` batches run, the first task to find room leads: it yields
+once, so the messages ready at that moment join it, takes up to
 ``MESSAGE_BUS__CONSUME_BATCH_SIZE`` of them, oldest first, and runs them as one batch (one
-transaction: ``consume.inbox``); messages that arrive meanwhile make the next batch. A message
-that arrives alone is run alone, at once: nothing waits for a batch to fill.
+transaction: ``consume.inbox``); messages that arrive meanwhile make the next batch, led by
+another task. A message that arrives alone is run alone, at once: nothing waits for a batch to
+fill. Several batches at once keep a slow handler (a call to another service) from holding up
+every message behind it, as when each message had a task of its own.
 
 The work runs in the tasks of the messages themselves, never in a task of its own: a leader leads
 until its own message has an outcome, then hands over to a message still waiting. A leader
@@ -61,11 +64,12 @@ class Batches(Generic[T]):
     """The messages one consumer has waiting, run in batches of at most ``size`` by ``run``,
     which settles every message it is given (see the module)."""
 
-    def __init__(self, run: RunBatch[T], size: int) -> None:
+    def __init__(self, run: RunBatch[T], size: int, concurrency: int = 1) -> None:
         self._run = run
         self._size = max(1, size)
+        self._concurrency = max(1, concurrency)
         self._waiting: deque[Submitted[T]] = deque()
-        self._leading = False
+        self._leaders = 0
         self._handover: asyncio.Future[None] | None = None
 
     async def submit(self, headers: Mapping[str, object], body: bytes) -> T:
@@ -74,7 +78,7 @@ class Batches(Generic[T]):
         self._waiting.append(item)
         try:
             while not item.settled:
-                if self._leading:
+                if self._leaders >= self._concurrency or item not in self._waiting:
                     turn: set[asyncio.Future[Any]] = {item.outcome, self._next_turn()}
                     await asyncio.wait(turn, return_when=asyncio.FIRST_COMPLETED)
                 else:
@@ -92,7 +96,7 @@ class Batches(Generic[T]):
         return self._handover
 
     async def _lead(self, own: Submitted[T]) -> None:
-        self._leading = True
+        self._leaders += 1
         try:
             await asyncio.sleep(0)  # the messages ready at this moment join the first batch
             while not own.settled and self._waiting:
@@ -103,7 +107,7 @@ class Batches(Generic[T]):
                     # Cancelled mid-batch: what it did not settle goes back in front, in order.
                     self._waiting.extendleft(reversed([item for item in batch if not item.settled]))
         finally:
-            self._leading = False
+            self._leaders -= 1
             handover, self._handover = self._handover, None
             if handover is not None:
                 with contextlib.suppress(asyncio.InvalidStateError):

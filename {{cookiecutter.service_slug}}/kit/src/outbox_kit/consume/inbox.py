@@ -52,7 +52,8 @@ dispatch of the domain events it wrote (under the delivery's own limits), run un
 message whose inbox row committed is never failed, so never dead-lettered, by a limit.
 
 Batches (PostgreSQL). Messages of one consumer that are ready at the same moment
-(``consume.batch``) share one transaction, at most ``MESSAGE_BUS__CONSUME_BATCH_SIZE`` of them:
+(``consume.batch``) share one transaction, at most ``MESSAGE_BUS__CONSUME_BATCH_SIZE`` of them
+(and at most ``MESSAGE_BUS__CONSUME_CONCURRENCY`` such transactions of a consumer at once):
 
 * one statement writes their inbox rows, in message id order (two batches that share messages
   lock them in the same order, so they never deadlock); the messages already there are settled
@@ -229,6 +230,7 @@ class ConsumePipeline:
         max_header_bytes: int = 4096,
         tracing: Tracing | None = None,
         batch_size: int = 1,
+        batch_concurrency: int = 1,
     ) -> None:
         self._max_age = (
             timedelta(days=inbox_retention_days) if inbox_enabled and inbox_retention_days else None
@@ -244,6 +246,7 @@ class ConsumePipeline:
         self._clock = clock
         self._receipts: dict[str, sa.Executable] = {}  # per dialect, built on first use
         self._batch_size = batch_size
+        self._batch_concurrency = batch_concurrency
         self._batches: dict[str, Batches[ConsumeOutcome]] = {}  # per consumer
 
     async def consume(
@@ -257,7 +260,7 @@ class ConsumePipeline:
         batches = self._batches.get(consumer.name)
         if batches is None:
             run = functools.partial(self._consume_batch, consumer)
-            batches = self._batches[consumer.name] = Batches(run, self._batch_size)
+            batches = self._batches[consumer.name] = Batches(run, self._batch_size, self._batch_concurrency)
         return await batches.submit(headers, body)
 
     async def consume_one(

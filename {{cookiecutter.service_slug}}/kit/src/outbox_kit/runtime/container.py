@@ -569,6 +569,7 @@ class OutboxContainer(containers.DeclarativeContainer):
         max_header_bytes=settings.provided.message_bus.max_header_bytes,
         tracing=tracing,
         batch_size=settings.provided.message_bus.consume_batch_size,
+        batch_concurrency=settings.provided.message_bus.consume_concurrency,
     )
     bus = providers.Singleton(build_bus, settings, handlers, registry, pipeline, signer, metrics, tracing)
     breaker = providers.Singleton(

@@ -128,6 +128,14 @@ class RabbitDelivery(ReceivedMessage):
         crashed = broker_count("x-delivery-count", self.headers.get("x-delivery-count") or 0)
         return rejected + crashed + 1
 
+    async def ack(self) -> None:
+        """``basic.ack`` handed to the connection's writer, not awaited to the socket (aiormq's
+        default waits for the flush, a sixth of a consumed message's CPU). AMQP answers an ack
+        with nothing either way: a connection lost before the frame leaves redelivers the
+        message, and the inbox takes the copy for a duplicate."""
+        raw = self._message.raw_message
+        await raw.channel.basic_ack(delivery_tag=raw.delivery_tag, wait=False)
+
     async def retry(self, attempt: int) -> None:
         del attempt  # the retry queue's TTL is the delay
         await self._message.reject()  # requeue=False: main -> DLX -> retry queue -> TTL -> main

@@ -69,6 +69,9 @@ class MessageBusSettings(BaseModel):
     # Messages of one consumer that are ready at once are consumed in one transaction, at most
     # this many (consume.batch); 1 consumes each in a transaction of its own.
     consume_batch_size: int = Field(default=32, ge=1, le=1000)
+    # At most this many of those transactions of one consumer at once: a slow handler holds up
+    # only its own batch.
+    consume_concurrency: int = Field(default=4, ge=1, le=100)
     circuit_failure_threshold: int = Field(default=5, ge=1)
     circuit_reset_seconds: float = Field(default=30.0, gt=0)
     kafka_create_topics: bool = True
