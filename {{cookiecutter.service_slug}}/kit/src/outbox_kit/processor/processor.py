@@ -11,6 +11,8 @@ replica), or after the fallback interval. After a cycle it
 * re-polls at once when the cycle made progress and either filled its batch or completed a
   keyed row (whose key-mates may now be claimable), so an ordering key is not paced at one row
   per poll;
+* re-polls at once, too, when it was woken while the cycle ran (a commit wrote new rows),
+  without the round trip that asks for the next due time;
 * otherwise smart-waits until the earliest *future* eligibility (a processing delay or a retry
   backoff ending), capped by the fallback interval, so a retry runs on time rather than one
   interval late;
@@ -207,7 +209,7 @@ class Processor:
             self.last_turn = time.monotonic()
             if self._on_cycle is not None:
                 self._on_cycle(result)
-            if result.poll_again_now:
+            if result.poll_again_now or self._wake.is_set():  # woken during the cycle: new rows
                 continue
             await self._sleep(await self._smart_wait(result))
 
