@@ -14,7 +14,7 @@ whole batch is waiting, or when a message has waited :data:`PATIENCE_SECONDS` (t
 batch is slow: a handler calling another service). So a slow handler holds up its own batch
 only, as when each message had a task of its own, while quick handlers keep their batches full
 (a second batch started for every message that found room ran batches of four on average, and
-cost a third more CPU per message).
+cost about 40% more CPU per message).
 
 The work runs in the tasks of the messages themselves, never in a task of its own: a leader leads
 until its own message has an outcome, then hands over to a message still waiting. A leader
