@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlparse
 
@@ -21,6 +22,7 @@ from outbox_kit.domain import (
     NotFoundError,
 )
 from outbox_kit.persistence.tables import COMMAND_TABLE
+from outbox_kit.runtime.app import create_app
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import authenticated, install_error_handlers, units_of_work
 from outbox_kit.testing.fixtures import (
@@ -243,3 +245,17 @@ async def test_a_role_the_stored_form_would_change_is_refused_and_a_valid_one_ro
     assert row.user_roles == "clerk,outbox-admin"
     assert restored_roles == [("clerk", "outbox-admin")]
     assert await kit.effects() == []
+
+
+async def test_readyz_declares_which_source_names_it_reads(make_container: ContainerFactory) -> None:
+    """The schema says what the probe reads (visible ASCII, as every source name is), so a
+    schema-valid name is never refused as unstorable text; a NUL is refused with a clear 422."""
+    container = make_container()
+    (source,) = create_app(container).openapi()["paths"]["/readyz"]["get"]["parameters"]
+    pattern = next(option["pattern"] for option in source["schema"]["anyOf"] if "pattern" in option)
+    assert re.fullmatch(pattern, "billing")
+    assert not re.fullmatch(pattern, "bill\x00ing")
+    async with live_server(container, with_worker=False) as base, httpx.AsyncClient(base_url=base) as client:
+        refused = await client.get("/readyz?source=%00")
+    assert refused.status_code == 422
+    assert refused.json()["detail"][0]["type"] == "unstorable_text"

@@ -84,6 +84,7 @@ from outbox_kit.operations.rows import (
 from outbox_kit.persistence.tables import DEFAULT_SOURCE
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
 from outbox_kit.runtime.http import (
+    KEY_PATTERN,
     Bearer,
     ContextOfRoute,
     RequestContextMiddleware,
@@ -233,6 +234,9 @@ def add_probe_routes(app: FastAPI, container: OutboxContainer, *, worker: Worker
                     "source's; 'all' decides by every source"
                 ),
                 max_length=64,
+                # Visible ASCII, as every source name is: the schema says what the probe reads
+                # (a NUL was schema-valid, and refused as unstorable text).
+                pattern=KEY_PATTERN,
             ),
         ] = None,
     ) -> JSONResponse:
