@@ -28,6 +28,7 @@ from outbox_kit.persistence.database import (
     HandlerMustNotSaveError,
 )
 from outbox_kit.persistence.tables import (
+    COMMAND_TABLE,
     OUTBOX_TABLE,
     InternalCommandRow,
     OutboxMessage,
@@ -656,5 +657,131 @@ async def test_a_pooled_connection_the_server_dropped_while_idle_is_replaced_bef
         async with container.units_of_work()() as uow:
             replaced = (await uow.session.exec(pid)).scalar_one()  # type: ignore[call-overload]
         assert replaced != first
+    finally:
+        await container.database().dispose()
+
+
+# -- PostgreSQL: a commit's rows in one statement ------------------------------------------------
+
+
+async def commit_mixed(container: OutboxContainer, *, aggregate: bool, tag: str) -> None:
+    """One commit of an integration event and a command, and with ``aggregate`` first an
+    aggregate's two domain events (its INSERT opens the transaction before the rows)."""
+    with acting_as():
+        async with container.units_of_work()() as uow:
+            key = f"{tag}-counter"
+            if aggregate:
+                counter = Counter.create("acme", key)
+                counter.increment()
+                uow.repository(Counters).add(counter)
+            uow.enqueue(CounterChangedV1(counter_id=key, value=2, aggregate_id=key))
+            uow.schedule(RecordEffect(label=tag), due_at=uow.now + timedelta(minutes=5))
+            await uow.commit()
+
+
+def comparable(row: Any, tag: str) -> dict[str, Any]:
+    """A stored row's columns, without what differs by construction (ids, times, the tag)."""
+
+    def untagged(values: dict[str, Any], *differ: str) -> dict[str, Any]:
+        kept = {k: v for k, v in values.items() if k not in differ}
+        return {k: v.replace(tag, "<tag>") if isinstance(v, str) else v for k, v in kept.items()}
+
+    times = ("occurred_on", "available_on", "locked_until")
+    columns = untagged(dict(row._mapping), "id", "seq", "lock_token", *times)  # noqa: SLF001 (public)
+    return columns | {"payload": untagged(row.payload, "event_id", "command_id", "occurred_on")}
+
+
+@pytest.mark.postgres
+async def test_a_commits_rows_are_one_statement_on_the_driver_and_equal_to_sqlalchemys(
+    postgres_url: str,
+) -> None:
+    """A commit whose transaction is open writes each table's rows in one statement on the
+    session's driver connection (SQLAlchemy runs no INSERT into the relay tables); a commit
+    with nothing run before goes through SQLAlchemy, which begins the transaction. Both store
+    the same columns, the rows in the order they were raised, with ascending seq."""
+    container = kit_container(make_settings(postgres_url))
+    seen: list[str] = []
+
+    def record(*args: Any) -> None:
+        seen.append(str(args[2]))
+
+    try:
+        await install_kit(container)
+        engine = container.database().engine.sync_engine
+        sa.event.listen(engine, "before_cursor_execute", record)
+        await commit_mixed(container, aggregate=True, tag="driver")
+        on_driver = [s for s in seen if "outbox_messages" in s or "internal_commands" in s]
+        seen.clear()
+        await commit_mixed(container, aggregate=False, tag="alchemy")
+        through_sqlalchemy = [s for s in seen if "outbox_messages" in s or "internal_commands" in s]
+        sa.event.remove(engine, "before_cursor_execute", record)
+        assert on_driver == []
+        # The first table's statement begins the transaction; the second then runs on the driver.
+        assert ["INSERT INTO outbox_messages " in s for s in through_sqlalchemy] == [True]
+        rows = await outbox(container)
+        driver = [r for r in rows if "driver" in r.ordering_key]
+        alchemy = [r for r in rows if "alchemy" in r.ordering_key]
+        assert [r.event_name for r in driver] == [
+            "kit.created.v1",
+            "kit.incremented.v1",
+            "kit.counter-changed.v1",
+        ]
+        assert [r.seq for r in driver] == sorted(r.seq for r in driver)
+        assert [comparable(r, "driver") for r in driver[-1:]] == [comparable(r, "alchemy") for r in alchemy]
+        assert all(r.occurred_on.tzinfo is not None and r.available_on >= r.occurred_on for r in rows)
+        commands = await fetch(container, sa.select(COMMAND_TABLE).order_by(COMMAND_TABLE.c.seq))
+        assert [c.payload["label"] for c in commands] == ["driver", "alchemy"]
+        assert comparable(commands[0], "driver") == comparable(commands[1], "alchemy")
+    finally:
+        await container.database().dispose()
+
+
+@pytest.mark.postgres
+async def test_a_writer_of_the_same_key_waits_for_the_open_commit_and_comes_after_it(
+    postgres_url: str,
+) -> None:
+    """The insert takes the key's advisory lock before any row gets its seq: a second writer of
+    the key waits until the first commits, so seq order is commit order within a key (a row
+    that took its seq first but committed second would be relayed after a later one). A writer
+    of another key does not wait."""
+    container = kit_container(make_settings(postgres_url))
+
+    def changed(key: str, value: int) -> CounterChangedV1:
+        return CounterChangedV1(counter_id=key, value=value, aggregate_id=key)
+
+    async def commit_one(event: CounterChangedV1) -> None:
+        async with container.units_of_work()() as uow:
+            await uow.session.exec(sa.text("SELECT 1"))  # type: ignore[call-overload]
+            uow.enqueue(event)
+            await uow.commit()
+
+    async def lock_waiters() -> int:
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        return int((await fetch(container, sa.text(waiting)))[0][0])
+
+    try:
+        await install_kit(container)
+        with acting_as():
+            async with container.units_of_work()() as first:
+                await first.session.exec(sa.text("SELECT 1"))  # type: ignore[call-overload]
+                first.enqueue(changed("k", 1))
+                staged = await first.stage()  # the row is in and the key's lock held: no COMMIT yet
+                await asyncio.wait_for(commit_one(changed("other", 2)), 10)
+                second = asyncio.create_task(commit_one(changed("k", 3)))
+                for _ in range(500):
+                    if await lock_waiters() == 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert await lock_waiters() == 1, "the second writer of the key must wait for its lock"
+                assert not second.done()
+                await first.session.commit()
+                await first.committed_as(staged)
+            await asyncio.wait_for(second, 10)
+        rows = await outbox(container)
+        assert [(r.ordering_key, r.payload["value"]) for r in rows] == [
+            ("integration:k", 1),
+            ("integration:other", 2),
+            ("integration:k", 3),
+        ]
     finally:
         await container.database().dispose()

@@ -42,6 +42,7 @@ class Submitted(Generic[T]):
     body: bytes
     outcome: asyncio.Future[T] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     since: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+    queued: bool = False  # in the queue, waiting to be taken into a batch (read on every turn)
 
     @property
     def settled(self) -> bool:
@@ -84,7 +85,7 @@ class Batches(Generic[T]):
     async def submit(self, headers: Mapping[str, object], body: bytes) -> T:
         """Wait for the outcome of this message (raises its failure)."""
         item: Submitted[T] = Submitted(headers, body)
-        self._waiting.append(item)
+        self._enqueue([item])
         try:
             while not item.settled:
                 if self._may_lead(item):
@@ -93,7 +94,7 @@ class Batches(Generic[T]):
                 turn: set[asyncio.Future[Any]] = {item.outcome, self._next_turn()}
                 await asyncio.wait(turn, timeout=PATIENCE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
-            if item in self._waiting:
+            if item.queued:
                 self._waiting.remove(item)
             item.outcome.add_done_callback(_retrieved)
             raise
@@ -101,7 +102,7 @@ class Batches(Generic[T]):
 
     def _may_lead(self, item: Submitted[T]) -> bool:
         """Whether ``item``'s task starts a batch now (see the module)."""
-        if item not in self._waiting:  # in a running batch
+        if not item.queued:  # in a running batch
             return False
         if self._leaders == 0:
             return True
@@ -109,6 +110,14 @@ class Batches(Generic[T]):
             return False
         waited = asyncio.get_running_loop().time() - self._waiting[0].since
         return len(self._waiting) >= self._size or waited >= PATIENCE_SECONDS
+
+    def _enqueue(self, items: list[Submitted[T]], *, in_front: bool = False) -> None:
+        for item in items:
+            item.queued = True
+        if in_front:
+            self._waiting.extendleft(reversed(items))
+        else:
+            self._waiting.extend(items)
 
     def _next_turn(self) -> asyncio.Future[None]:
         if self._handover is None:
@@ -121,11 +130,13 @@ class Batches(Generic[T]):
             await asyncio.sleep(0)  # the messages ready at this moment join the first batch
             while not own.settled and self._waiting:
                 batch = [self._waiting.popleft() for _ in range(min(self._size, len(self._waiting)))]
+                for item in batch:
+                    item.queued = False
                 try:
                     await self._run(batch)
                 finally:
                     # Cancelled mid-batch: what it did not settle goes back in front, in order.
-                    self._waiting.extendleft(reversed([item for item in batch if not item.settled]))
+                    self._enqueue([item for item in batch if not item.settled], in_front=True)
         finally:
             self._leaders -= 1
             handover, self._handover = self._handover, None

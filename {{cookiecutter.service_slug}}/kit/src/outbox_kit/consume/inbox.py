@@ -396,7 +396,7 @@ class ConsumePipeline:
         running: Read | None = None
         failure: Exception | None = None
         try:
-            for read in await self._receive(shared.session, consumer.name, units.database.dialect, reads):
+            for read in await self._receive(shared.session, consumer, units.database.dialect, reads):
                 running = read
                 staged.append(await self._stage(consumer, read, units(shared=shared)))
             running = None
@@ -415,13 +415,13 @@ class ConsumePipeline:
         return []
 
     async def _receive(
-        self, session: AsyncSession, consumer: str, dialect: str, reads: list[Read]
+        self, session: AsyncSession, consumer: Consumer[Any], dialect: str, reads: list[Read]
     ) -> list[Read]:
         """Write the batch's inbox rows in one statement; settle the messages already consumed
         (duplicates) and return the others, to be handled."""
         if not self._inbox:
             return reads
-        inserted = await self._receipts_of(session, consumer, reads)
+        inserted = await self._receipts_of(session, consumer.name, reads)
         fresh: list[Read] = []
         for read in reads:
             if read.envelope.message_id in inserted:
@@ -430,19 +430,20 @@ class ConsumePipeline:
             envelope = read.envelope
             with restored(envelope.context, authentication_type=MESSAGE_AUTHENTICATION):
                 try:
-                    known = await self._already_consumed(session, envelope.message_id, consumer, read.digest)
+                    known = await self._already_consumed(
+                        session, envelope.message_id, consumer.name, read.digest
+                    )
                     # Not known: purged between the two statements (past its retention); insert it alone.
                     if not known and await self._first_receipt(
-                        session, dialect, consumer, envelope, read.digest
+                        session, dialect, consumer.name, envelope, read.digest
                     ):
                         fresh.append(read)
                         continue
                 except RejectedMessageError as rejected:  # a conflicting duplicate
-                    self._metrics.inbox_rejected.labels(consumer, rejected.reason).inc()
+                    self._count_failure(consumer, rejected)
                     read.item.fail(rejected)
                     continue
-                self._metrics.inbox_duplicates.labels(consumer).inc()
-                log.info("%s skipped duplicate message %s", consumer, envelope.message_id)
+                self._count(consumer, envelope, ConsumeOutcome.DUPLICATE)
             read.item.settle(ConsumeOutcome.DUPLICATE)
         return fresh
 

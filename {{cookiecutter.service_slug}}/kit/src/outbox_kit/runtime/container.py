@@ -100,6 +100,7 @@ def build_writer(
         instance_id=instance_id(settings),
         namespace=settings.application.namespace,
         dialect=database.dialect,
+        traced_statements=settings.telemetry.tracing is TracingBackend.OTEL,
     )
 
 
