@@ -5,7 +5,7 @@ from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from outbox_kit.persistence.tables import backoff_seconds
+from outbox_kit.processor.retries import backoff_seconds
 from outbox_kit.transports.bus import BrokerUnavailableError, CircuitBreaker, CircuitOpenError, PublishResult
 
 pytestmark = pytest.mark.unit

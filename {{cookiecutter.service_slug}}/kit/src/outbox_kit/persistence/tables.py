@@ -26,10 +26,10 @@ act on it (a lost update, or a unique violation). One ``INSERT ... ON CONFLICT``
 atomic on both databases: the conflict is resolved against the row as it is when the statement
 writes, and a concurrent insert of the same key waits for the other transaction to finish.
 
-Leases on the relay rows: token-guarded outcome writes, and the retry policy they record.
+Leases on the relay rows: token-guarded outcome writes (what a failure is charged is the retry
+rule's: ``processor.retries``).
 
-Why a row left the pending pool, and how long a failed one waits: the dead-letter reasons, the
-paused marker, and the jittered exponential backoff (jitter before the cap).
+Why a row left the pending pool: the dead-letter reasons and the paused marker.
 
 Token-guarded writes on a polled table (``outbox_messages`` or ``internal_commands``).
 
@@ -43,7 +43,6 @@ statements on SQLite)."""
 
 from __future__ import annotations
 
-import random
 import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -249,13 +248,6 @@ TYPE_UNRESOLVABLE = "type_unresolvable"
 MALFORMED_PAYLOAD = "malformed_payload"
 
 CASCADE_DEPTH_EXCEEDED = "cascade_depth_exceeded"
-
-
-def backoff_seconds(attempt: int, *, base: float, cap: float, rng: random.Random) -> float:
-    """``base * 2^(attempt-1) * U(0.8, 1.2)``, jitter applied before the cap
-    (so a capped wait lands exactly on the lease, and one outage's failures do not retry in step)."""
-    exponent = min(max(attempt, 1) - 1, 62)
-    return min(base * (2.0**exponent) * rng.uniform(0.8, 1.2), cap)
 
 
 class LeaseLostError(RuntimeError):

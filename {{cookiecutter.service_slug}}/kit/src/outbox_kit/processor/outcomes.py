@@ -1,14 +1,5 @@
-"""Outcomes: how a delivery's end is classified and written (stamps, failures, retries).
-
-How a failed attempt is charged: the next retry count and, when it is the last, the reason.
-
-* any failure: ``retry_count + 1``; at ``max_retries`` the row is dead-lettered
-  ``retries_exhausted``;
-* a name no class answers to, or a payload that no longer fits its class: the first miss may be
-  a module still loading (a rolling deploy), so it is retried once; a second miss in a row is
-  terminal (``type_unresolvable`` / ``malformed_payload``). Earlier failures of another kind do
-  not count as a miss, nor does a miss before a replay (a replay keeps ``last_error`` but resets
-  ``retry_count``). ``max_retries=1`` means no retry at all.
+"""Outcomes: how a delivery's end is written (stamps, failures, pauses); what a failure is
+charged is the retry rule's (``processor.retries``).
 
 A batch published together is recorded together (:meth:`Outcomes.record_published`): once every
 publish of the batch has ended, its confirmed rows are stamped by one token-guarded UPDATE, its
@@ -51,8 +42,8 @@ The outcome of each row, written as soon as the row finishes, guarded by id and 
   with the stamps of the rows that finished meanwhile (:class:`StampGroups`);
 * unrouted (published with no consumer bound): stamped processed on its own, with the note
   ``explain`` reads, counted, and one Warning per event name per window;
-* failed: ``retry_count + 1`` and ``last_error`` (see :func:`classify`); re-leased for the jittered
-  backoff, or dead-lettered with an Error log naming the row;
+* failed: charged by the retry rule (``retry_count + 1``, ``last_error``), re-leased for its
+  jittered backoff, or dead-lettered with an Error log naming the row;
 * paused (the downstream or the database is down): released without charging a retry;
 * lease lost (the token no longer matches): a Warning and a count, never an overwrite.
 
@@ -73,20 +64,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from outbox_kit.application.messages import MalformedPayloadError, UnknownMessageError
 from outbox_kit.application.observability import Clock, RelayMetrics
 from outbox_kit.application.text import describe
 from outbox_kit.persistence.database import Database, is_database_outage
-from outbox_kit.persistence.tables import (
-    MALFORMED_PAYLOAD,
-    PAUSED_PREFIX,
-    RETRIES_EXHAUSTED,
-    TYPE_UNRESOLVABLE,
-    LeaseStore,
-    backoff_seconds,
-)
+from outbox_kit.persistence.tables import PAUSED_PREFIX, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import SourceSettings
+from outbox_kit.processor.retries import RetryRule
 from outbox_kit.transports.bus import Delivered, PausedError, Unrouted
 
 
@@ -98,17 +82,6 @@ class Failure:
     reason: str | None  # the dead-letter reason, when the row is finished with
     message: str
     retry_at: datetime
-
-
-def classify(row: ClaimedRow, error: BaseException, max_retries: int) -> tuple[int, str | None]:
-    """The new retry count and, when the row is finished with, its dead-letter reason."""
-    attempt = row.retry_count + 1
-    if isinstance(error, UnknownMessageError | MalformedPayloadError):
-        reason = TYPE_UNRESOLVABLE if isinstance(error, UnknownMessageError) else MALFORMED_PAYLOAD
-        missed = (row.last_error or "").startswith(f"{type(error).__name__}:")
-        missed_before = missed and row.retry_count > 0
-        return attempt, reason if missed_before or attempt >= max_retries else None
-    return attempt, RETRIES_EXHAUSTED if attempt >= max_retries else None
 
 
 log = logging.getLogger(__name__)
@@ -264,7 +237,9 @@ class Outcomes:
         self._leases = leases
         self._clock = clock
         self._metrics = metrics
-        self._rng = rng
+        self._retries = RetryRule(
+            settings.max_retries, settings.retry_backoff_base_seconds, settings.lease_seconds, rng
+        )
         group_rows = min(settings.batch_size, settings.delivery_concurrency)
         self.stamps = StampGroups(database=database, leases=leases, clock=clock, group_rows=group_rows)
         self._unrouted_warned: dict[str, datetime] = {}  # event name -> when it was last warned
@@ -379,13 +354,8 @@ class Outcomes:
 
     async def fail(self, row: ClaimedRow, token: uuid.UUID, error: BaseException) -> None:
         """Charge one retry, or dead-letter the row when it is finished with."""
-        attempt, reason = classify(row, error, self._settings.max_retries)
-        delay = backoff_seconds(
-            attempt,
-            base=self._settings.retry_backoff_base_seconds,
-            cap=self._settings.lease_seconds,
-            rng=self._rng,
-        )
+        charge = self._retries.charge(row, error)
+        attempt, reason, delay = charge.attempt, charge.dead_letter_reason, charge.retry_in_seconds
         failure = Failure(attempt, reason, describe(error), self._clock() + timedelta(seconds=delay))
         if not await self._record(row, token, failure, error):
             self.lost(row, "while recording its failure")
