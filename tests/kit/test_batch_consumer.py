@@ -21,7 +21,14 @@ from outbox_kit.consume.batch import PATIENCE_SECONDS, Batches, Submitted
 from outbox_kit.persistence.tables import INBOX_TABLE, OUTBOX_TABLE
 from outbox_kit.persistence.unit_of_work import SharedTransaction, SqlUnitOfWork, UnitOfWorkStateError
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.testing.fixtures import acting_as, eventually, fetch, kit_container, make_settings
+from outbox_kit.testing.fixtures import (
+    SERVICE_URLS,
+    acting_as,
+    eventually,
+    fetch,
+    kit_container,
+    make_settings,
+)
 from outbox_kit.testing.harness import (
     CONSUMER,
     EFFECTS,
@@ -337,3 +344,41 @@ async def test_messages_behind_a_quick_batch_wait_for_it_rather_than_start_small
     hold.set()
     await asyncio.gather(first, *later)
     assert run.batches == [[b"first"], [b"later-0", b"later-1", b"later-2"]]
+
+
+@pytest.mark.rabbitmq
+async def test_a_rabbitmq_consumer_takes_no_more_than_it_can_work_on(start: Start, postgres_url: str) -> None:
+    """The consumer's prefetch is twice its batch size times its concurrency (here 2 x 2 x 1):
+    while the gate's handler waits, the process holds four of the eleven messages and the other
+    seven stay in the queue (for another replica, and out of this process's memory); opened,
+    all are consumed."""
+    import aio_pika
+
+    observer = Batching()
+    bus_settings = {"consume_batch_size": 2, "consume_concurrency": 1}
+    container, _ = await start(
+        "rabbitmq", database_url=postgres_url, observer=observer, message_bus=bus_settings
+    )
+    bus = container.bus()
+    await bus.publish(envelope_as(GATE, "gate"))
+    await eventually(lambda: GATE in observer.entered, timeout=20)
+    for value in range(1, 11):
+        await bus.publish(envelope_as(value, "acme"))
+    queue_name = bus.names.queue(CONSUMER)  # type: ignore[attr-defined]
+
+    async def ready_in_queue() -> int:
+        connection = await aio_pika.connect(SERVICE_URLS["rabbitmq"])
+        async with connection:
+            queue = await (await connection.channel()).declare_queue(queue_name, passive=True)
+            return int(queue.declaration_result.message_count or 0)
+
+    waiting = 0
+    for _ in range(100):  # the publishes reach the queue (confirmed) and settle there
+        waiting = await ready_in_queue()
+        if waiting == 7:
+            break
+        await asyncio.sleep(0.05)
+    assert waiting == 7, "the consumer took more than its prefetch"
+    observer.release.set()
+    await eventually(lambda: sample(container, "inbox_consumed_total") == 11, timeout=30)
+    assert await ready_in_queue() == 0

@@ -687,7 +687,7 @@ def comparable(row: Any, tag: str) -> dict[str, Any]:
         return {k: v.replace(tag, "<tag>") if isinstance(v, str) else v for k, v in kept.items()}
 
     times = ("occurred_on", "available_on", "locked_until")
-    columns = untagged(dict(row._mapping), "id", "seq", "lock_token", *times)  # noqa: SLF001 (public)
+    columns = untagged(dict(row._mapping), "id", "seq", "lock_token", *times)
     return columns | {"payload": untagged(row.payload, "event_id", "command_id", "occurred_on")}
 
 
