@@ -100,7 +100,6 @@ def build_writer(
         instance_id=instance_id(settings),
         namespace=settings.application.namespace,
         dialect=database.dialect,
-        traced_statements=settings.telemetry.tracing is TracingBackend.OTEL,
     )
 
 
