@@ -729,7 +729,11 @@ async def test_a_writer_of_the_same_key_waits_for_the_open_commit_and_comes_afte
             await uow.commit()
 
     async def lock_waiters() -> int:
-        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+        # This test's database only: the server is shared with the tests running beside it.
+        waiting = (
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+        )
         return int((await fetch(container, sa.text(waiting)))[0][0])
 
     try:
