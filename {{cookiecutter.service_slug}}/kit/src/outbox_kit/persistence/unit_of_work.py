@@ -314,13 +314,12 @@ class RelayWriter:
         for row in capture.rows:
             tables.setdefault(row.table.name, []).append(row)
         keys = sorted({row.ordering_key for row in capture.rows if row.ordering_key})
-        dialect = (await session.connection()).dialect
         seqs: dict[uuid.UUID, int] = {}
         for number, rows in enumerate(tables.values(), start=1):
             wake = number == len(tables) and capture.needs_wake
             columns = sorted(set().union(*(row.values for row in rows)))  # a leased row has more
-            insert = self._batch_insert(rows[0].table, columns, wake=wake)
-            params = insert.values(rows, keys if number == 1 else [], dialect)
+            insert = await self._batch_insert(session, rows[0].table, columns, wake=wake)
+            params = insert.values(rows, keys if number == 1 else [])
             result = await session.exec(insert.statement, params=params)  # type: ignore[call-overload]
             seqs.update((uuid.UUID(str(row[0])), int(row[1])) for row in result)
         return [
@@ -329,11 +328,15 @@ class RelayWriter:
             if row.leased
         ]
 
-    def _batch_insert(self, table: sa.Table, columns: list[str], *, wake: bool) -> BatchInsert:
+    async def _batch_insert(
+        self, session: AsyncSession, table: sa.Table, columns: list[str], *, wake: bool
+    ) -> BatchInsert:
         key = (table.name, frozenset(columns), wake)
         insert = self._batch_inserts.get(key)
         if insert is None:
-            insert = self._batch_inserts[key] = BatchInsert(table, columns, self._channel if wake else None)
+            dialect = (await session.connection()).dialect  # the driver's: its bind processing
+            channel = self._channel if wake else None
+            insert = self._batch_inserts[key] = BatchInsert(table, columns, channel, dialect)
         return insert
 
     def _insert(self, row: StagedRow, *, wake: bool) -> sa.Executable:
@@ -384,16 +387,17 @@ class BatchInsert:
     asyncpg connection directly it cost about 10% less CPU per commit, which was not worth
     bypassing that."""
 
-    def __init__(self, table: sa.Table, columns: list[str], wake_channel: str | None) -> None:
-        self.columns = columns
-        self._types = {name: table.c[name].type for name in columns}
-        self._processors: dict[str, Callable[[Any], Any] | None] | None = None
+    def __init__(
+        self, table: sa.Table, columns: list[str], wake_channel: str | None, dialect: sa.Dialect
+    ) -> None:
+        types = {name: table.c[name].type for name in columns}
+        self._processors = {name: kind.bind_processor(dialect) for name, kind in types.items()}
         self.wake_channel = wake_channel
-        self.statement = sa.text(self._sql(table))
+        self.statement = sa.text(self._sql(table, types))
 
-    def _sql(self, table: sa.Table) -> str:
-        names = ", ".join(self.columns)
-        arrays = ", ".join(f"CAST(:{name} AS {_array_type(self._types[name])}[])" for name in self.columns)
+    def _sql(self, table: sa.Table, types: dict[str, sa.types.TypeEngine[Any]]) -> str:
+        names = ", ".join(types)
+        arrays = ", ".join(f"CAST(:{name} AS {_array_type(kind)}[])" for name, kind in types.items())
         wake = ", (SELECT pg_notify(CAST(:wake_channel AS text), ''))" if self.wake_channel else ""
         return (
             f"WITH locked AS (SELECT pg_advisory_xact_lock(hashtextextended(key, 0))"  # noqa: S608 (names from the table)
@@ -404,10 +408,8 @@ class BatchInsert:
             f" SELECT id, seq{wake} FROM inserted"
         )
 
-    def values(self, rows: Sequence[StagedRow], keys: list[str], dialect: sa.Dialect) -> dict[str, Any]:
+    def values(self, rows: Sequence[StagedRow], keys: list[str]) -> dict[str, Any]:
         """The statement's parameters for ``rows``, and the keys to lock."""
-        if self._processors is None:
-            self._processors = {name: kind.bind_processor(dialect) for name, kind in self._types.items()}
         values: dict[str, Any] = {}
         for name, process in self._processors.items():
             column = [row.values.get(name) for row in rows]

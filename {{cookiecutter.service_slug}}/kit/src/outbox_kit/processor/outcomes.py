@@ -70,16 +70,16 @@ from outbox_kit.persistence.database import Database, is_database_outage
 from outbox_kit.persistence.tables import PAUSED_PREFIX, LeaseStore
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import SourceSettings
-from outbox_kit.processor.retries import RetryRule
+from outbox_kit.processor.retries import Charge, RetryRule
 from outbox_kit.transports.bus import Delivered, PausedError, Unrouted
 
 
 @dataclass(frozen=True)
 class Failure:
-    """A failed attempt, as it is recorded on its row."""
+    """A failed attempt, as it is recorded on its row: the rule's charge, the error's text, and
+    when the row is due again."""
 
-    attempt: int
-    reason: str | None  # the dead-letter reason, when the row is finished with
+    charge: Charge
     message: str
     retry_at: datetime
 
@@ -356,7 +356,7 @@ class Outcomes:
         """Charge one retry, or dead-letter the row when it is finished with."""
         charge = self._retries.charge(row, error)
         attempt, reason, delay = charge.attempt, charge.dead_letter_reason, charge.retry_in_seconds
-        failure = Failure(attempt, reason, describe(error), self._clock() + timedelta(seconds=delay))
+        failure = Failure(charge, describe(error), self._clock() + timedelta(seconds=delay))
         if not await self._record(row, token, failure, error):
             self.lost(row, "while recording its failure")
             return
@@ -394,9 +394,9 @@ class Outcomes:
                 token,
                 now=self._clock(),
                 error=failure.message,
-                retry_count=failure.attempt,
+                retry_count=failure.charge.attempt,
                 retry_at=failure.retry_at,
-                dead_letter_reason=failure.reason,
+                dead_letter_reason=failure.charge.dead_letter_reason,
             )
 
     def lost(self, row: ClaimedRow, when: str) -> None:

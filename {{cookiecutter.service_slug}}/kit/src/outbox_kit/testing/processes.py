@@ -587,6 +587,11 @@ async def processor(args: argparse.Namespace) -> None:
     )
     wake = WakeSignal()
     await asyncio.sleep(max(0.0, float(args.start_at) - time.time()))  # start together with the others
+    if args.wait_for_cue:  # started and connected ahead of its cue: its start-up costs the test nothing
+        cue = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, cue.set)
+        print("ready", flush=True)
+        await cue.wait()
     loop = Processor(source, wake=wake.subscribe(), interval_seconds=args.interval, clock=system_clock)
     tasks = [asyncio.create_task(loop.run())]
     if args.listen:
@@ -765,6 +770,7 @@ def add_part_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hang-first", action="store_true")
     parser.add_argument("--listen", action="store_true")
     parser.add_argument("--until-empty", action="store_true")
+    parser.add_argument("--wait-for-cue", action="store_true", help="poll only after a SIGUSR1")
     parser.add_argument("--message-id", default="")
     parser.add_argument("--start-at", default="0")
     parser.add_argument("--barrier", default=".")
