@@ -793,7 +793,7 @@ async def test_the_processor_delivers_local_events_under_the_rows_context(contai
         context = current_context()
         seen.append((context.tenant_id, context.user_id, context.authentication_type))
 
-    container.dispatcher().dispatch_committed = _no_dispatch  # type: ignore[method-assign]
+    container.dispatcher().dispatch = _no_dispatch  # type: ignore[method-assign]
     kit.on(Created, who)
     for tenant in ("acme", "globex"):
         with acting_as(tenant=tenant, user=f"user-of-{tenant}"):

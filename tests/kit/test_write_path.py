@@ -318,7 +318,7 @@ async def test_a_crash_before_dispatch_leaves_rows_claimable_after_the_lease(kit
     async def crash(*_args: Any, **_kwargs: Any) -> None:
         return None  # the process "dies" between commit and dispatch
 
-    dispatcher.dispatch_committed = crash  # type: ignore[method-assign]
+    dispatcher.dispatch = crash  # type: ignore[method-assign]
     await place(kit)
     claimer = Claimer(OUTBOX_TABLE, "event_name", batch=10, window=80)
     (row,) = await outbox(kit.container)
@@ -498,6 +498,29 @@ async def test_a_cascade_past_the_depth_bound_is_dead_lettered(make_container: C
         "outbox_dead_letters_total", {"source": "outbox", "reason": "cascade_depth_exceeded"}
     )
     assert metric == 1.0
+
+
+async def test_a_cascade_is_delivered_after_the_rest_of_its_commit_in_key_order(kit: Kit) -> None:
+    """In-process delivery goes a generation at a time: every row of a commit, then the rows
+    their handlers' commits raised. An event a handler raises on its own aggregate (the same
+    key) therefore comes after the commit's later row of that key and is delivered here too;
+    depth first, it found that row still pending and was left to the processor."""
+
+    async def increment_on_creation(event: Created, uow: SqlUnitOfWork) -> None:
+        kit.seen.append(("created", event))
+        counter = await uow.repository(Counters).get(event.aggregate_id)
+        counter.increment()
+
+    kit.on(Created, increment_on_creation)
+    kit.on(Incremented, kit.recording("incremented"))
+    await place(kit, increments=1)
+    rows = await outbox(kit.container)
+    assert [r.event_name for r in rows] == ["kit.created.v1", "kit.incremented.v1", "kit.incremented.v1"]
+    assert len({r.ordering_key for r in rows}) == 1
+    assert [r.processed_on is not None for r in rows] == [True, True, True], "one was left to the processor"
+    assert [label for label, _ in kit.seen] == ["created", "incremented", "incremented"]
+    delivered = [str(event.event_id) for _, event in kit.seen]
+    assert delivered == [row.payload["event_id"] for row in rows], "not in seq order"
 
 
 async def test_the_longest_ordering_key_commits_and_a_longer_one_is_refused_before(kit: Kit) -> None:

@@ -12,7 +12,8 @@
    double an effect);
 4. commits, then removes exactly the captured events from the aggregates (events a handler
    raises meanwhile stay pending for the next save) and wakes the processor;
-5. hands the local domain-event rows it leased to the in-process delivery (:class:`AfterCommit`).
+5. hands the local domain-event rows it leased to the in-process delivery (:class:`AfterCommit`),
+   or, in a follow-up of that delivery, leaves them to it (``left``).
 
 A rollback, whether an exception or an explicit ``rollback()``, drops the rows together with the
 business change and every deferred piece of work. ``run(operation)`` re-runs a whole operation
@@ -453,6 +454,17 @@ class DeliveryRecords:
                 raise LeaseLostError(msg)
 
 
+@dataclass(frozen=True)
+class Committed:
+    """What a commit leaves to in-process delivery: the domain-event rows it inserted leased to
+    this process; with the outbox off, the events themselves (delivered and published directly,
+    best effort)."""
+
+    rows: Sequence[WrittenRow] = ()
+    events: Sequence[DomainEvent] = ()
+    integration_events: Sequence[IntegrationEvent] = ()
+
+
 class AfterCommit(Protocol):
     """Delivers, in-process, what a commit wrote for this process."""
 
@@ -464,15 +476,9 @@ class AfterCommit(Protocol):
         lease."""
         ...
 
-    async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
-        """Deliver the rows a commit inserted leased to this process (never raises but on
-        shutdown: the commit stands)."""
-        ...
-
-    async def dispatch_without_outbox(
-        self, events: Sequence[DomainEvent], integration_events: Sequence[IntegrationEvent], *, depth: int
-    ) -> None:
-        """Outbox off (in-process transport only): dispatch and publish directly, best effort."""
+    async def dispatch(self, committed: Committed, units: SqlUnitOfWorkFactory) -> None:
+        """Deliver what a commit of ``units`` left to this process, each in a follow-up unit of
+        work of ``units`` (never raises but on shutdown: the commit stands)."""
         ...
 
 
@@ -577,11 +583,15 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
     """
 
     def __init__(
-        self, factory: SqlUnitOfWorkFactory, *, depth: int = 0, shared: SharedTransaction | None = None
+        self,
+        factory: SqlUnitOfWorkFactory,
+        *,
+        shared: SharedTransaction | None = None,
+        follow_up: bool = False,
     ) -> None:
         self._factory = factory
-        self.depth = depth
         self._shared = shared
+        self._follow_up = follow_up
         self._session: AsyncSession | None = None
         self._reset()
 
@@ -589,6 +599,8 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         self._reset_collected()
         self._records = DeliveryRecords()
         self.committed = False
+        # A follow-up's commit: what it leased, left to the dispatch that opened it.
+        self.left: Committed | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -753,17 +765,18 @@ class SqlUnitOfWork(CollectingUnitOfWork["Repository[Any]"]):
         return outbox, await self._factory.writer.write(self.session, outbox)
 
     async def _after_commit(self, captured: _Captured, outbox: Capture, written: list[WrittenRow]) -> None:
-        integration_events = list(self._integration_events)
+        if self._factory.outbox_enabled:
+            committed = Committed(rows=written)
+        else:
+            committed = Committed(events=captured.events, integration_events=list(self._integration_events))
         self._integration_events.clear()
         self._commands.clear()
         if outbox.needs_wake:
             self._factory.wake()
-        if self._factory.outbox_enabled:
-            await self._factory.after_commit.dispatch_committed(written, depth=self.depth)
+        if self._follow_up:
+            self.left = committed
         else:
-            await self._factory.after_commit.dispatch_without_outbox(
-                captured.events, integration_events, depth=self.depth
-            )
+            await self._factory.after_commit.dispatch(committed, self._factory)
 
 
 class CrossSourceError(RuntimeError):
@@ -808,8 +821,13 @@ class SqlUnitOfWorkFactory:
         self.adapters: Mapping[type[Any], Adapter] = dict(adapters or {})
         self.transient_retry_attempts = database.settings.transient_retry_attempts
 
-    def __call__(self, *, depth: int = 0, shared: SharedTransaction | None = None) -> SqlUnitOfWork:
-        return SqlUnitOfWork(self, depth=depth, shared=shared)
+    def __call__(self, *, shared: SharedTransaction | None = None) -> SqlUnitOfWork:
+        return SqlUnitOfWork(self, shared=shared)
+
+    def follow_up(self) -> SqlUnitOfWork:
+        """A unit of work of in-process delivery: its commit leaves what it leased in ``left``
+        for the delivery that opened it, instead of dispatching it."""
+        return SqlUnitOfWork(self, follow_up=True)
 
     def refuse_foreign(self, port: type[Any]) -> None:
         there = self.foreign_ports.get(port)

@@ -66,12 +66,14 @@ class OutboxDeliverer:
         registry: MessageRegistry,
         handlers: HandlerRegistry,
         dispatcher: LocalDispatcher,
+        units: SqlUnitOfWorkFactory,
         bus: MessageBus,
         breaker: CircuitBreaker,
     ) -> None:
         self._registry = registry
         self._handlers = handlers
         self._dispatcher = dispatcher
+        self._units = units
         self._bus = bus
         self._breaker = breaker
         self._warned: set[str] = set()
@@ -103,7 +105,7 @@ class OutboxDeliverer:
                 if not self._handlers.is_record_only(type(message)):
                     self._warn_no_handler(row.name)
                 return Delivered.NEEDS_STAMP
-            await self._dispatcher.deliver(message, row_id=row.id, token=token, depth=1, limit=limit)
+            await self._dispatcher.deliver(self._units, message, row_id=row.id, token=token, limit=limit)
             return Delivered.STAMPED
 
     async def deliver_published(

@@ -22,7 +22,11 @@ then the row's processed stamp is added under the row's lock token and the unit 
 handler effects, any events they raised and the stamp together. If the token no longer matches
 (another processor took the row), the whole follow-up rolls back: the new owner delivers.
 
-After a commit, rows are delivered one at a time, in ``seq`` order. The lease a row was inserted
+After a commit, rows are delivered one at a time, in ``seq`` order; then the rows their
+deliveries' commits leased, a generation after the other (a follow-up unit of work leaves them
+to the delivery that opened it: no unit of work dispatches from inside another's delivery, and
+the cascade's depth is the generation). So a row an event's handler raises on its own aggregate
+comes after the rest of its commit's rows of that key, as its ``seq`` does. The lease a row was inserted
 under only keeps other replicas away while it lasts, and an earlier row's handlers may outlast
 it; so each row's lease is renewed under its token just before its handlers run, and a row whose
 token is gone (a replica claimed it meanwhile) is skipped: its new owner delivers it.
@@ -44,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
@@ -55,10 +60,10 @@ import sqlalchemy as sa
 from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import IntegrationEvent
 from outbox_kit.application.observability import Clock, TimeLimit, time_limit
-from outbox_kit.domain import DomainEvent, Message
+from outbox_kit.domain import Message
 from outbox_kit.persistence.database import Database, handler_scope
 from outbox_kit.persistence.tables import CASCADE_DEPTH_EXCEEDED, OUTBOX_TABLE, LeaseLostError, LeaseStore
-from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory, WrittenRow, wake_replicas
+from outbox_kit.persistence.unit_of_work import Committed, SqlUnitOfWorkFactory, WrittenRow, wake_replicas
 from outbox_kit.processor.cycle import CycleShutdown
 
 if TYPE_CHECKING:
@@ -115,12 +120,16 @@ class InProcessRowLeases:
     def __init__(
         self,
         *,
-        units: Callable[[], SqlUnitOfWorkFactory],
+        database: Database,
+        clock: Clock,
+        wake: Callable[[], None],
         lease_seconds: float,
         notify_channel: str,
         shutdown_timeout_seconds: float,
     ) -> None:
-        self._units = units
+        self._db = database
+        self._clock = clock
+        self._wake = wake
         self._lease = timedelta(seconds=lease_seconds)
         self._channel = notify_channel
         self._shutdown_timeout = shutdown_timeout_seconds
@@ -128,8 +137,8 @@ class InProcessRowLeases:
 
     async def renew(self, row: WrittenRow) -> None:
         """Give the row a whole lease for its own delivery (``LeaseLostError``: no longer ours)."""
-        until = self._units().clock() + self._lease
-        async with self._units().database.bookkeeping() as connection:
+        until = self._clock() + self._lease
+        async with self._db.bookkeeping() as connection:
             if row.id not in await self.store.renew(connection, [row.id], row.lock_token, until):
                 msg = f"outbox row {row.id} is no longer leased to this process"
                 raise LeaseLostError(msg)
@@ -146,7 +155,7 @@ class InProcessRowLeases:
             )
             .limit(1)
         )
-        async with self._units().database.bookkeeping() as connection:
+        async with self._db.bookkeeping() as connection:
             result = await connection.execute(statement)
             return result.first() is not None
 
@@ -154,12 +163,12 @@ class InProcessRowLeases:
         """Give rows back to the processor (uncharged) and wake every replica's processor."""
         note = None if error is None else repr(error)
         try:
-            async with self._units().database.bookkeeping() as connection:
+            async with self._db.bookkeeping() as connection:
                 for token, group in groupby(rows, key=lambda row: row.lock_token):
                     await self.store.release(connection, [row.id for row in group], token, error=note)
-                if self._units().database.is_postgresql:
+                if self._db.is_postgresql:
                     await connection.execute(wake_replicas(self._channel))
-            self._units().wake()
+            self._wake()
         except Exception:
             # Best effort: the rows then wait out their lease (OUTBOX__LEASE_SECONDS).
             log.exception("could not release the lease of %s outbox row(s)", len(rows))
@@ -171,13 +180,13 @@ class InProcessRowLeases:
         shutdown = CycleShutdown(
             name="in-process dispatch",
             timeout_seconds=self._shutdown_timeout,
-            database=self._units().database,
+            database=self._db,
             leases=self.store,
         )
         try:
             await shutdown.claim(commit, token, lease_until)
         except asyncio.CancelledError:
-            self._units().wake()  # this process's processor; other replicas find them at their poll
+            self._wake()  # this process's processor; other replicas find them at their poll
             raise
 
     async def release_on_shutdown(self, rows: Sequence[WrittenRow]) -> None:
@@ -196,17 +205,23 @@ DirectPublish = Callable[[IntegrationEvent], Awaitable[None]]
 
 
 class LocalDispatcher:
-    """Runs domain-event handlers in follow-up units of work (the factory's ``AfterCommit``).
+    """Runs domain-event handlers in follow-up units of work: the ``AfterCommit`` of every
+    unit-of-work factory of its source, and the processor's delivery of a domain-event row.
 
-    ``units`` gives the factory when it is needed: the factory is built with this dispatcher,
-    so neither holds the other at construction.
+    It holds no factory: each call names the one whose commit it follows, and the follow-up
+    units of work come from it. A follow-up does not dispatch what its own commit leased; it
+    leaves that (``SqlUnitOfWork.left``) to the dispatch that opened it, which delivers it next,
+    one generation after the other (:meth:`_drain`). So a cascade is a queue here, not a
+    recursion through the unit of work, and its depth is the generation the queue counts.
     """
 
     def __init__(
         self,
         handlers: HandlerRegistry,
         *,
-        units: Callable[[], SqlUnitOfWorkFactory],
+        database: Database,
+        clock: Clock,
+        wake: Callable[[], None],
         max_cascade_depth: int,
         lease_seconds: float,
         delivery_timeout_seconds: float,
@@ -216,45 +231,74 @@ class LocalDispatcher:
         metrics: RelayMetrics | None = None,
     ) -> None:
         self._handlers = handlers
+        self._db = database
+        self._clock = clock
         self._metrics = metrics
         self._max_depth = max_cascade_depth
         self._delivery_timeout = delivery_timeout_seconds
-        self._units = units
         self._leases = InProcessRowLeases(
-            units=units,
+            database=database,
+            clock=clock,
+            wake=wake,
             lease_seconds=lease_seconds,
             notify_channel=notify_channel,
             shutdown_timeout_seconds=shutdown_timeout_seconds,
         )
         self._publish_direct = publish_direct
 
-    @property
-    def factory(self) -> SqlUnitOfWorkFactory:
-        return self._units()
-
     async def commit_leased(self, commit: Awaitable[None], token: uuid.UUID, lease_until: datetime) -> None:
         """Run a commit that inserts rows leased to this process (see :class:`AfterCommit`)."""
         await self._leases.commit_leased(commit, token, lease_until)
 
+    async def dispatch(self, committed: Committed, units: SqlUnitOfWorkFactory) -> None:
+        """Deliver what a commit of ``units`` left to this process, and the cascade that follows
+        (never raises but on shutdown: the commit stands)."""
+        if committed.rows:
+            await self._drain(units, committed.rows, generation=0)
+        elif committed.events or committed.integration_events:
+            await self._dispatch_without_outbox(units, committed)
+
     async def deliver(
         self,
+        units: SqlUnitOfWorkFactory,
+        message: Message,
+        *,
+        row_id: uuid.UUID,
+        token: uuid.UUID,
+        limit: TimeLimit,
+    ) -> None:
+        """The processor's delivery of one domain-event row: every handler of ``message`` within
+        ``limit``, their effects committed with the row's stamp; then, outside the limit, the
+        rows that commit leased (a stamped row's delivery must not be reported failed)."""
+        left = await self._follow_up(units, message, row_id=row_id, token=token, limit=limit)
+        await self._drain(units, left.rows, generation=1)
+
+    async def _follow_up(
+        self,
+        units: SqlUnitOfWorkFactory,
         message: Message,
         *,
         row_id: uuid.UUID | None,
         token: uuid.UUID | None,
-        depth: int,
         limit: TimeLimit,
-    ) -> None:
-        """Run every handler of ``message`` within ``limit`` and commit their effects with the
-        row's stamp (the commit, and the follow-on deliveries it runs, are not in ``limit``)."""
-        async with self.factory(depth=depth) as uow:
-            async with limit():
-                for handler in self._handlers.domain_handlers(type(message)):
-                    with handler_scope(handler_name(handler)):
-                        await handler(message, uow)
-            if row_id is not None and token is not None:
-                uow.stamp_processed_on_commit(self._leases.store, row_id, token)
-            await uow.commit()
+    ) -> Committed:
+        """Run every handler of ``message`` within ``limit`` in a follow-up unit of work, and
+        commit their effects with the row's stamp; what that commit left, to deliver next."""
+        uow = units.follow_up()
+        try:
+            async with uow:
+                async with limit():
+                    for handler in self._handlers.domain_handlers(type(message)):
+                        with handler_scope(handler_name(handler)):
+                            await handler(message, uow)
+                if row_id is not None and token is not None:
+                    uow.stamp_processed_on_commit(self._leases.store, row_id, token)
+                await uow.commit()
+        except BaseException:
+            if uow.left is not None and uow.left.rows:  # committed, and now nobody delivers them
+                await self._leases.release_on_shutdown(uow.left.rows)
+            raise
+        return uow.left or Committed()
 
     def _time_limit(self) -> AbstractAsyncContextManager[None]:
         """The dispatches this dispatcher starts itself get the delivery's time limit (the
@@ -262,45 +306,56 @@ class LocalDispatcher:
         the commit that wrote its row, nor the request behind it."""
         return time_limit(self._delivery_timeout, "delivery")
 
-    async def dispatch_committed(self, rows: Sequence[WrittenRow], *, depth: int) -> None:
-        """Deliver the leased rows a commit just wrote (never raises but on shutdown: the commit
-        stands)."""
-        if not rows:
-            return
-        if depth >= self._max_depth:
-            await dead_letter_cascade(
-                database=self.factory.database,
-                clock=self.factory.clock,
-                store=self._leases.store,
-                rows=rows,
-                max_depth=self._max_depth,
-                metrics=self._metrics,
-            )
-            return
+    async def _drain(self, units: SqlUnitOfWorkFactory, rows: Sequence[WrittenRow], generation: int) -> None:
+        """Deliver ``rows`` (leased by a commit ``generation`` deliveries deep), then the rows
+        each delivery's commit leased, a generation after the other: so every row of a commit
+        is delivered before any row its deliveries raised, and rows of one key keep ``seq``
+        order. A generation at ``OUTBOX__MAX_CASCADE_DEPTH`` is a loop: dead-lettered. A
+        cancellation gives back every row not delivered yet (token-guarded: a stamped row no
+        longer matches)."""
+        queue = deque((row, generation) for row in rows)
         blocked_keys: set[str] = set()
         try:
-            for row in rows:
-                await self._dispatch_one(row, blocked_keys, depth)
+            while queue:
+                row, depth = queue[0]
+                if depth >= self._max_depth:  # breadth first: every row still queued is as deep
+                    await self._dead_letter([row for row, _ in queue])
+                    return
+                left = await self._dispatch_one(units, row, blocked_keys)
+                queue.popleft()
+                queue.extend((raised, depth + 1) for raised in left)
         except asyncio.CancelledError:
-            # Token-guarded: rows already stamped no longer match, the rest are given back.
-            await self._leases.release_on_shutdown(rows)
+            await self._leases.release_on_shutdown([row for row, _ in queue])
             raise
 
-    async def _dispatch_one(self, row: WrittenRow, blocked_keys: set[str], depth: int) -> None:
+    async def _dead_letter(self, rows: Sequence[WrittenRow]) -> None:
+        await dead_letter_cascade(
+            database=self._db,
+            clock=self._clock,
+            store=self._leases.store,
+            rows=rows,
+            max_depth=self._max_depth,
+            metrics=self._metrics,
+        )
+
+    async def _dispatch_one(
+        self, units: SqlUnitOfWorkFactory, row: WrittenRow, blocked_keys: set[str]
+    ) -> Sequence[WrittenRow]:
         """Deliver one row, or hand it to the processor; later rows of a key that could not be
-        delivered here are handed over too, so they never overtake it."""
+        delivered here are handed over too, so they never overtake it. The rows its delivery
+        leased, to deliver next."""
         key = row.ordering_key
         if key is not None and key in blocked_keys:
             await self._leases.release([row], None)
-            return
+            return ()
         try:
             if key is not None and await self._leases.has_earlier_pending(row):
                 blocked_keys.add(key)
                 await self._leases.release([row], None)
-                return
+                return ()
             await self._leases.renew(row)
-            await self.deliver(
-                row.message, row_id=row.id, token=row.lock_token, depth=depth + 1, limit=self._time_limit
+            left = await self._follow_up(
+                units, row.message, row_id=row.id, token=row.lock_token, limit=self._time_limit
             )
         except LeaseLostError:
             if key is not None:
@@ -321,28 +376,36 @@ class LocalDispatcher:
             if key is not None:
                 blocked_keys.add(key)
             await self._leases.release([row], error)
+        else:
+            return left.rows
+        return ()
 
-    async def dispatch_without_outbox(
-        self,
-        events: Sequence[DomainEvent],
-        integration_events: Sequence[IntegrationEvent],
-        *,
-        depth: int,
-    ) -> None:
-        """Outbox off (in-process transport only): dispatch directly, best effort."""
-        for event in events:
-            if depth >= self._max_depth:
-                log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)
-                continue
-            try:
-                await self.deliver(event, row_id=None, token=None, depth=depth + 1, limit=self._time_limit)
-            except Exception:
-                log.exception("direct dispatch of %s failed (outbox disabled)", event.message_name)
-        for integration_event in integration_events:
-            if self._publish_direct is None:
-                log.error("no direct publisher bound; %s dropped", integration_event.message_name)
-                continue
-            try:
-                await self._publish_direct(integration_event)
-            except Exception:
-                log.exception("direct publish of %s failed (outbox disabled)", integration_event.message_name)
+    async def _dispatch_without_outbox(self, units: SqlUnitOfWorkFactory, committed: Committed) -> None:
+        """Outbox off (in-process transport only): deliver and publish directly, best effort,
+        the cascade a generation after the other as with rows."""
+        queue = deque([(committed, 0)])
+        while queue:
+            done, depth = queue.popleft()
+            for event in done.events:
+                if depth >= self._max_depth:
+                    log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)
+                    continue
+                try:
+                    left = await self._follow_up(
+                        units, event, row_id=None, token=None, limit=self._time_limit
+                    )
+                except Exception:
+                    log.exception("direct dispatch of %s failed (outbox disabled)", event.message_name)
+                else:
+                    queue.append((left, depth + 1))
+            for integration_event in done.integration_events:
+                await self._publish(integration_event)
+
+    async def _publish(self, integration_event: IntegrationEvent) -> None:
+        if self._publish_direct is None:
+            log.error("no direct publisher bound; %s dropped", integration_event.message_name)
+            return
+        try:
+            await self._publish_direct(integration_event)
+        except Exception:
+            log.exception("direct publish of %s failed (outbox disabled)", integration_event.message_name)

@@ -17,7 +17,6 @@ import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 
 from dependency_injector import containers, providers
 from prometheus_fastapi_instrumentator import Instrumentator
@@ -109,15 +108,19 @@ def build_dispatcher(
     registry: MessageRegistry,
     metrics: RelayMetrics,
     *,
-    units: Callable[[], SqlUnitOfWorkFactory],
+    database: Database,
+    clock: Clock,
+    wake: Callable[[], None],
     bus: Callable[[], MessageBus],
 ) -> LocalDispatcher:
-    """The in-process dispatcher; it reaches the factory and the bus through their providers
-    (they are built after it), and publishes directly only when the outbox is off."""
+    """A source's in-process dispatcher; it reaches the bus through its provider (built after
+    it), and publishes directly only when the outbox is off."""
     outbox = settings.outbox
     return LocalDispatcher(
         handlers,
-        units=units,
+        database=database,
+        clock=clock,
+        wake=wake,
         max_cascade_depth=outbox.max_cascade_depth,
         lease_seconds=outbox.lease_seconds,
         delivery_timeout_seconds=outbox.delivery_timeout_seconds,
@@ -331,27 +334,24 @@ def build_data_sources(
     built = []
     for plan in plans:
         database = build_database(plan.database, tracing, schema=plan.schema)
-        factory: list[SqlUnitOfWorkFactory] = []  # the dispatcher reaches it once it exists
         dispatcher = build_dispatcher(
-            settings, handlers, registry, metrics, units=partial(factory.__getitem__, 0), bus=bus
+            settings, handlers, registry, metrics, database=database, clock=clock, wake=wake.set, bus=bus
         )
-        factory.append(
-            SqlUnitOfWorkFactory(
-                database=database,
-                writer=build_writer(settings, registry, handlers, database),
-                after_commit=dispatcher,
-                clock=clock,
-                wake=wake.set,
-                outbox_enabled=settings.message_bus.outbox_enabled,
-                adapters=adapters,
-                source=plan.name,
-                foreign_ports={port: there for port, there in source_of_port.items() if there != plan.name},
-            )
+        factory = SqlUnitOfWorkFactory(
+            database=database,
+            writer=build_writer(settings, registry, handlers, database),
+            after_commit=dispatcher,
+            clock=clock,
+            wake=wake.set,
+            outbox_enabled=settings.message_bus.outbox_enabled,
+            adapters=adapters,
+            source=plan.name,
+            foreign_ports={port: there for port, there in source_of_port.items() if there != plan.name},
         )
         cleaner = RetentionCleaner(
             database=database, policy=retention_policy(settings), clock=clock, metrics=metrics
         )
-        built.append(DataSource(plan.name, plan.contexts, database, factory[0], dispatcher, cleaner))
+        built.append(DataSource(plan.name, plan.contexts, database, factory, dispatcher, cleaner))
     return DataSources(built, consumer_contexts(modules))
 
 
@@ -375,7 +375,12 @@ def build_deliverers(
     return {
         source.name: SourceDeliverers(
             OutboxDeliverer(
-                registry=registry, handlers=handlers, dispatcher=source.dispatcher, bus=bus, breaker=breaker
+                registry=registry,
+                handlers=handlers,
+                dispatcher=source.dispatcher,
+                units=source.units,
+                bus=bus,
+                breaker=breaker,
             ),
             CommandDeliverer(registry=registry, handlers=handlers, units=source.units),
         )

@@ -426,6 +426,7 @@ def open_world(build: ContainerBuilder, database_url: str) -> Iterator[World]:
         registry=container.registry(),
         handlers=container.handlers(),
         dispatcher=container.dispatcher(),
+        units=container.units_of_work(),
         bus=bus,
         breaker=container.breaker(),
     )
