@@ -317,13 +317,13 @@ class LocalDispatcher:
         blocked_keys: set[str] = set()
         try:
             while queue:
-                row, depth = queue[0]
-                if depth >= self._max_depth:  # breadth first: every row still queued is as deep
+                row, generation = queue[0]
+                if generation >= self._max_depth:  # breadth first: every row still queued is as deep
                     await self._dead_letter([row for row, _ in queue])
                     return
                 left = await self._dispatch_one(units, row, blocked_keys)
                 queue.popleft()
-                queue.extend((raised, depth + 1) for raised in left)
+                queue.extend((raised, generation + 1) for raised in left)
         except asyncio.CancelledError:
             await self._leases.release_on_shutdown([row for row, _ in queue])
             raise
@@ -385,9 +385,9 @@ class LocalDispatcher:
         the cascade a generation after the other as with rows."""
         queue = deque([(committed, 0)])
         while queue:
-            done, depth = queue.popleft()
+            done, generation = queue.popleft()
             for event in done.events:
-                if depth >= self._max_depth:
+                if generation >= self._max_depth:
                     log.error("domain events cascaded past depth %s; %s dropped", self._max_depth, event)
                     continue
                 try:
@@ -397,7 +397,7 @@ class LocalDispatcher:
                 except Exception:
                     log.exception("direct dispatch of %s failed (outbox disabled)", event.message_name)
                 else:
-                    queue.append((left, depth + 1))
+                    queue.append((left, generation + 1))
             for integration_event in done.integration_events:
                 await self._publish(integration_event)
 
