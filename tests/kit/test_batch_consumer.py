@@ -116,6 +116,18 @@ async def dead_letters_become(container: OutboxContainer, count: int) -> list[De
     return found
 
 
+async def effects_once(container: OutboxContainer, prefix: str, count: int) -> dict[str, str | None]:
+    """The effects (label -> tenant) once ``count`` labelled ``prefix...`` have committed: a
+    handler returns before its unit of work commits what it recorded."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        effects = {row.label: row.tenant_id for row in await fetch(container, sa.select(EFFECTS))}
+        if sum(label.startswith(prefix) for label in effects) >= count:
+            return effects
+        assert asyncio.get_running_loop().time() < deadline, f"{prefix}: {sorted(effects)}"
+        await asyncio.sleep(0.05)
+
+
 def sample(container: OutboxContainer, name: str) -> float:
     return container.metrics().registry.get_sample_value(name, {"consumer": CONSUMER}) or 0.0
 
@@ -141,7 +153,7 @@ async def test_messages_ready_together_share_a_transaction_and_each_keeps_its_co
     await eventually(lambda: len(noted) == 10, timeout=30)
     after_gate = {next(iter(observer.sessions[v])) for v in tenants}
     assert len(after_gate) < len(tenants), "every message had a transaction of its own"
-    effects = {row.label: row.tenant_id for row in await fetch(container, sa.select(EFFECTS))}
+    effects = await effects_once(container, "noted:", 10)
     assert {f"consumed:{v}": t for v, t in tenants.items()}.items() <= effects.items()
     assert {f"noted:note:{v}": t for v, t in tenants.items()}.items() <= effects.items()
     inbox = await fetch(container, sa.select(INBOX_TABLE))
