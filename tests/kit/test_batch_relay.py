@@ -79,13 +79,13 @@ async def started(
     bus = container.bus()
     await bus.start()
     flight = InFlight()
-    transport_ = bus.transport  # type: ignore[attr-defined]
+    transport_: Any = bus
     if transport == "rabbitmq":
         exchange = await transport_._resolve_exchange()
         channel = await exchange.channel.get_underlay_channel()
         channel.basic_publish = flight.wrap(channel.basic_publish)
     else:
-        transport_.publish = flight.wrap(transport_.publish)
+        transport_.send = flight.wrap(transport_.send)
     stamps: list[str] = []
 
     def record(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
@@ -172,7 +172,7 @@ async def test_a_batch_whose_channel_does_not_come_back_is_paused_not_charged(st
     by the publish timeout and is an outage of the batch (released, no retry charged), never the
     delivery's time limit (which charges every row)."""
     container, flight, _ = started
-    exchange = await container.bus().transport._resolve_exchange()  # type: ignore[attr-defined]
+    exchange = await container.bus()._resolve_exchange()  # type: ignore[attr-defined]
 
     async def never() -> None:
         await asyncio.Event().wait()

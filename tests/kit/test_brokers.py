@@ -486,7 +486,7 @@ async def refuse_dead_letters(
     elif transport == "nats":
         from outbox_kit.transports.nats import ensure_stream
 
-        js = bus.transport._jetstream()  # type: ignore[attr-defined]
+        js = bus._jetstream()  # type: ignore[attr-defined]
         stream = names.stream("dead_letters")
         if refuse:
             await js.delete_stream(stream)
@@ -598,10 +598,10 @@ async def test_a_message_with_a_bad_or_missing_signature_is_never_processed(
     container, observer = await start(transport)
     forged = envelope(666)
     forger = Signer({"test": "not-the-real-secret"}, "test", allow_unsigned=False)
-    transport_ = container.bus().transport  # type: ignore[attr-defined]
-    await transport_.publish(forged, forger.sign(forged.headers(), forged.body))
+    transport_: Any = container.bus()
+    await transport_.send(forged, forger.sign(forged.headers(), forged.body))
     unsigned = envelope(667)
-    await transport_.publish(unsigned, unsigned.headers())
+    await transport_.send(unsigned, unsigned.headers())
     letters: list[Any] = []
     deadline = time.monotonic() + 15
     while len(letters) < 2 and time.monotonic() < deadline:
@@ -621,7 +621,7 @@ async def test_an_oversized_header_is_dead_lettered_unprocessed(start: Start, tr
     message = envelope(668)
     headers = message.headers() | {"x-user-roles": ",".join(f"role-{i}" for i in range(2000))}
     signed = container.signer().sign(headers, message.body)
-    await container.bus().transport.publish(message, signed)  # type: ignore[attr-defined]
+    await container.bus().send(message, signed)  # type: ignore[attr-defined]
     letters: list[Any] = []
     deadline = time.monotonic() + 15
     while not letters and time.monotonic() < deadline:
@@ -956,7 +956,7 @@ async def test_services_sharing_a_nats_namespace_keep_each_others_subjects(sqlit
     for event in (CounterChangedV1, InvoiceIssuedV1):
         registry = MessageRegistry()
         registry.register(event)
-        transports.append(NatsTransport(bus_settings, names, registry))
+        transports.append(NatsTransport(bus_settings, names, registry, Signer({}, None, allow_unsigned=True)))
     orders, billing = transports
     for transport in transports:
         await transport.connect()
@@ -974,7 +974,7 @@ async def test_services_sharing_a_nats_namespace_keep_each_others_subjects(sqlit
         assert sorted(info.config.subjects or []) == expected
         assert info.config.max_msgs == 12345
     finally:
-        await orders.delete_topology([])
+        await orders.drop_topology([])
         for transport in transports:
             await transport.close()
 

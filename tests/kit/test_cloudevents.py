@@ -20,10 +20,10 @@ from cloudevents.core.bindings import http, kafka, rabbitmq
 from cloudevents.core.formats.json import JSONFormat
 from faststream.redis.parser.binary import BinaryMessageFormatV1
 from outbox_kit.application.context import CapturedContext
-from outbox_kit.consume.bus import FastStreamBus
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import SERVICE_URLS, fresh_sqlite, kit_container, make_settings
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1, install_kit
+from outbox_kit.transports.base import FastStreamTransport
 from outbox_kit.transports.envelope import Envelope
 from redis.asyncio import Redis
 
@@ -80,9 +80,9 @@ def envelope() -> Envelope:
     )
 
 
-def bus_of(container: OutboxContainer) -> FastStreamBus:
+def bus_of(container: OutboxContainer) -> FastStreamTransport:
     bus = container.bus()
-    assert isinstance(bus, FastStreamBus)
+    assert isinstance(bus, FastStreamTransport)
     return bus
 
 

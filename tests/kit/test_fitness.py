@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
-from outbox_kit.consume.bus import InProcessBus
+from outbox_kit.transports.in_process import InProcessBus
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing import CallGraph, FitnessRules, golden_list_problems, source_index
 
@@ -33,10 +33,11 @@ def test_the_kit_keeps_its_own_fitness_rules(kit_rules: FitnessRules) -> None:
     assert "outbox_kit/processor/deliverers.py" in kit_rules.publishers()
 
 
-def test_both_buses_reach_the_consume_pipeline(kit_rules: FitnessRules) -> None:
+def test_a_broker_delivery_reaches_the_consume_pipeline(kit_rules: FitnessRules) -> None:
+    """The broker's way in, statically; the in-process bus is handed the pipeline's ``consume``
+    by the container (the next test)."""
     consume = "outbox_kit.consume.inbox.ConsumePipeline.consume"
     assert kit_rules.reaches("outbox_kit.consume.subscribers.ConsumeWrapper.handler_for", consume)
-    assert kit_rules.reaches("outbox_kit.consume.bus.InProcessBus.publish", consume)
 
 
 def test_a_publish_or_a_broker_client_outside_the_allowed_files_is_caught(
@@ -106,4 +107,4 @@ def test_the_in_process_bus_delivers_through_the_container_pipeline(container: O
     bus = container.bus()
 
     assert isinstance(bus, InProcessBus)
-    assert bus._pipeline is container.pipeline()
+    assert bus._consume == container.pipeline().consume  # the same pipeline's bound method

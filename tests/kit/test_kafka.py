@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
@@ -55,7 +55,7 @@ async def test_the_service_declares_its_topics_and_leaves_existing_ones_alone(st
     finally:
         await admin.close()
     container, _ = await start("kafka", namespace=namespace)
-    transport: KafkaTransport = container.bus().transport  # type: ignore[attr-defined]
+    transport = cast("KafkaTransport", container.bus())
     consumers = container.handlers().consumers
     wanted = transport.topics(consumers)
     names = container.bus().names  # type: ignore[attr-defined]

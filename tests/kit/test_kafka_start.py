@@ -7,7 +7,7 @@ a service with n consumers (a topic and a retry topic each) waited 2n such round
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from outbox_kit.testing.fixtures import make_settings
@@ -33,7 +33,7 @@ async def test_every_subscriber_is_starting_before_any_has_finished(
         del event, uow
 
     container.handlers().consume("kit.observer", CounterChangedV1, observe)
-    transport: KafkaTransport = container.bus().transport  # type: ignore[attr-defined]
+    transport = cast("KafkaTransport", container.bus())
     subscribers = list(transport.broker.subscribers)
     assert len(subscribers) >= 2
     starting: list[object] = []

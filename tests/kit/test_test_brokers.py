@@ -162,7 +162,7 @@ async def test_a_forged_message_is_rejected_without_running_the_handler(
     async with in_memory(transport, sqlite_url) as (container, observer):
         forged = envelope(9)
         forger = Signer({"test": "wrong"}, "test", allow_unsigned=False)
-        await container.bus().transport.publish(forged, forger.sign(forged.headers(), forged.body))  # type: ignore[attr-defined]
+        await container.bus().send(forged, forger.sign(forged.headers(), forged.body))  # type: ignore[attr-defined]
         assert observer.seen == []
         rejected = container.metrics().inbox_rejected.labels("kit.observer", "bad_signature")
         assert rejected._value.get() == 1
@@ -278,7 +278,9 @@ def kafka_transport(admin: FakeKafkaAdmin, **bus: Any) -> tuple[KafkaTransport, 
         del event, uow
 
     handlers.consume("kit.observer", CounterChangedV1, observe)
-    transport = KafkaTransport(settings, EndpointNames("shop"), registry, admin=lambda _servers: admin)
+    transport = KafkaTransport(
+        settings, EndpointNames("shop"), registry, Signer({}, None, allow_unsigned=True), admin=lambda _servers: admin
+    )
     return transport, list(handlers.consumers)
 
 
@@ -325,7 +327,7 @@ async def test_a_signed_but_unreadable_body_is_dead_lettered_as_malformed(
     async with in_memory(transport, sqlite_url) as (container, observer):
         message = dataclasses.replace(envelope(1), body=body)
         signed = container.signer().sign(message.headers(), body)
-        await container.bus().transport.publish(message, signed)  # type: ignore[attr-defined]
+        await container.bus().send(message, signed)  # type: ignore[attr-defined]
         assert observer.seen == []
         (letter,) = container.dead_letters  # type: ignore[attr-defined]
         assert letter["x-message-id"] == message.message_id
@@ -343,7 +345,7 @@ async def test_a_forged_kafka_attempt_header_is_rejected_not_crashed_on(
     async with in_memory("kafka", sqlite_url) as (container, observer):
         message = envelope(4)
         headers = container.signer().sign(message.headers(), message.body) | {ATTEMPT: attempt}
-        await container.bus().transport.publish(message, headers)  # type: ignore[attr-defined]
+        await container.bus().send(message, headers)  # type: ignore[attr-defined]
         assert observer.seen == []
         (letter,) = container.dead_letters  # type: ignore[attr-defined]
         assert letter["x-error"].startswith(f"rejected: malformed_header: {ATTEMPT} is not a delivery count")

@@ -150,8 +150,8 @@ def test_the_domain_imports_only_the_standard_library_and_the_kits_domain() -> N
     )
 
 
-# The kit's concrete adapters: the buses, the subscriber wrapper and one layer per broker.
-KIT_ADAPTERS = ("consume.bus", "consume.subscribers", "transports.base", "transports.rabbit")
+# The kit's concrete adapters: the in-process bus, the subscriber wrapper and one layer per broker.
+KIT_ADAPTERS = ("transports.in_process", "consume.subscribers", "transports.base", "transports.rabbit")
 KIT_ADAPTERS += ("transports.kafka", "transports.nats", "transports.redis")
 
 
@@ -348,11 +348,10 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
             "__init__.py": "",
             "container.py": f"from {kit}.transports import rabbit\n",
             "kit/runtime/__init__.py": "",
-            "kit/runtime/container.py": f"from {kit}.consume import bus\n",
-            "kit/runtime/worker.py": f"from {kit}.consume import bus\n",
-            "kit/consume/__init__.py": "",
-            "kit/consume/bus.py": f"from {kit}.transports import rabbit\n",
+            "kit/runtime/container.py": f"from {kit}.transports import in_process\n",
+            "kit/runtime/worker.py": f"from {kit}.transports import in_process\n",
             "kit/transports/__init__.py": "",
+            "kit/transports/in_process.py": f"from {kit}.transports import rabbit\n",
             "kit/transports/rabbit.py": "",
             "contexts/__init__.py": "",
             "contexts/billing/__init__.py": "",
@@ -365,7 +364,7 @@ def test_an_adapter_imported_outside_the_composition_is_caught(
 
     assert adapter_imports_outside_the_composition(package, kit) == [
         f"{package}.contexts.billing.services:1 imports {package}.contexts.billing.infrastructure",
-        f"{kit}.runtime.worker:1 imports {kit}.consume.bus",
+        f"{kit}.runtime.worker:1 imports {kit}.transports.in_process",
     ]
 
 

@@ -55,7 +55,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +64,7 @@ from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.observability import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
-from outbox_kit.transports.base import BrokerDelivery
+from outbox_kit.transports.base import BrokerDelivery, DeliveryHandler, FastStreamTransport
 from outbox_kit.transports.envelope import RejectedMessageError, claimed_context
 from outbox_kit.transports.settings import MessageBusSettings
 
@@ -202,7 +202,12 @@ class ConsumeWrapper:
         self._metrics = metrics
         self._refused = RefusedCopies()
 
-    def handler_for(self, consumer: Consumer[Any]) -> Any:  # noqa: ANN401 (what a transport subscribes)
+    def subscribe_all(self, transport: FastStreamTransport, consumers: Sequence[Consumer[Any]]) -> None:
+        """The way in: every consumer's messages reach its handler through this wrapper."""
+        for consumer in consumers:
+            transport.subscribe(consumer, self.handler_for(consumer))
+
+    def handler_for(self, consumer: Consumer[Any]) -> DeliveryHandler:
         async def handle(delivery: BrokerDelivery) -> None:
             # Every line about the message carries its correlation id and tenant (see the module).
             with claimed_context(delivery.headers):

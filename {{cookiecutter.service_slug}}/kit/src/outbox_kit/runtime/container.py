@@ -32,11 +32,11 @@ from outbox_kit.application.observability import (
     Tracing,
     system_clock,
 )
-from outbox_kit.consume.bus import InProcessBus
 from outbox_kit.consume.inbox import ConsumePipeline
+from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.retention import RetentionCleaner, RetentionPolicy
-from outbox_kit.persistence.database import Database, DatabaseSettings
+from outbox_kit.persistence.database import Database, DatabaseSettings, is_database_outage
 from outbox_kit.persistence.tables import (
     DEFAULT_SOURCE,
     INTERNAL_COMMANDS,
@@ -54,8 +54,11 @@ from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService
 from outbox_kit.runtime.identity_provider import ProviderKeys
 from outbox_kit.runtime.settings import ServiceSettings, TracingBackend
 from outbox_kit.runtime.worker import Worker
+from outbox_kit.transports.base import FastStreamTransport
 from outbox_kit.transports.bus import CircuitBreaker, DirectPublisher, MessageBus
 from outbox_kit.transports.envelope import Signer
+from outbox_kit.transports.in_process import InProcessBus
+from outbox_kit.transports.settings import EndpointNames, MessageBusSettings, Transport
 
 log = logging.getLogger(__name__)
 
@@ -451,25 +454,50 @@ def build_bus(  # noqa: PLR0917 (the container passes providers positionally)
     metrics: RelayMetrics,
     tracing: Tracing,
 ) -> MessageBus:
-    if not settings.message_bus.is_broker:
+    """The one port a publish crosses (the in-process bus or a broker transport), with this
+    service's consumers attached through the consume wrapper (the way in)."""
+    bus_settings = settings.message_bus
+    if not bus_settings.is_broker:
         return InProcessBus(
             handlers=handlers,
             registry=registry,
-            pipeline=pipeline,
             signer=signer,
+            consume=pipeline.consume,
+            is_outage=is_database_outage,
         )
-    from outbox_kit.consume.bus import FastStreamBus  # noqa: PLC0415
-
-    return FastStreamBus(
-        settings=settings.message_bus,
-        namespace=settings.application.namespace,
-        handlers=handlers,
-        registry=registry,
-        pipeline=pipeline,
-        signer=signer,
-        metrics=metrics,
-        tracer_provider=tracing.tracer_provider,
+    names = EndpointNames(settings.application.namespace, bus_settings.preserve_default_endpoint_names)
+    transport = build_transport(bus_settings, names, registry, signer)
+    transport.count_in(metrics.registry)
+    if tracing.tracer_provider is not None:
+        transport.trace_consumes_with(tracing.tracer_provider)
+    ConsumeWrapper(settings=bus_settings, pipeline=pipeline, metrics=metrics).subscribe_all(
+        transport, handlers.consumers
     )
+    return transport
+
+
+def build_transport(
+    settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry, signer: Signer
+) -> FastStreamTransport:
+    """The chosen broker's transport, importing only its client library."""
+    if settings.transport is Transport.RABBITMQ:
+        from outbox_kit.transports.rabbit import RabbitTransport  # noqa: PLC0415
+
+        return RabbitTransport(settings, names, registry, signer)
+    if settings.transport is Transport.NATS:
+        from outbox_kit.transports.nats import NatsTransport  # noqa: PLC0415
+
+        return NatsTransport(settings, names, registry, signer)
+    if settings.transport is Transport.REDIS:
+        from outbox_kit.transports.redis import RedisTransport  # noqa: PLC0415
+
+        return RedisTransport(settings, names, registry, signer)
+    if settings.transport is Transport.KAFKA:
+        from outbox_kit.transports.kafka import KafkaTransport  # noqa: PLC0415
+
+        return KafkaTransport(settings, names, registry, signer)
+    msg = f"{settings.transport} is not a broker transport"
+    raise ValueError(msg)
 
 
 def build_tracing(settings: ServiceSettings) -> Tracing:

@@ -91,10 +91,6 @@ from outbox_kit.application.messages import (
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )
-from outbox_kit.consume.bus import (
-    FastStreamBus,
-    build_transport,
-)
 from outbox_kit.consume.inbox import ConsumeOutcome, ConsumePipeline
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
@@ -102,11 +98,12 @@ from outbox_kit.persistence.tables import (
     InboxMessage,
 )
 from outbox_kit.runtime import cli
-from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.container import OutboxContainer, build_transport
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import service_container
 from outbox_kit.transports.base import (
     BrokerDelivery,
+    FastStreamTransport,
 )
 from outbox_kit.transports.bus import MessageBus, PublishResult
 from outbox_kit.transports.envelope import (
@@ -541,7 +538,7 @@ async def delete_topology(target: Target, event: str) -> None:
     container.handlers().consume(COUNTER, EVENT_TYPES[event], _ignore)
     bus = container.bus()
     try:
-        if isinstance(bus, FastStreamBus):
+        if isinstance(bus, FastStreamTransport):
             await bus.delete_topology()
     except Exception as error:
         print(f"  (could not delete the topology of {target.namespace}: {error})")
@@ -623,7 +620,7 @@ async def raw_publish(base: Target, count: int, *, keyed: bool = False) -> Outco
     container = bench_container(settings)
     bus = settings.message_bus
     names = EndpointNames(settings.application.namespace, bus.preserve_default_endpoint_names)
-    transport = build_transport(bus, names, container.registry())
+    transport = build_transport(bus, names, container.registry(), container.signer())
     messages = prebuilt(container, count, keys=KEYS if keyed else 0)
     counter = await receiver(target, count, event, pipeline=False)
     try:
@@ -631,7 +628,7 @@ async def raw_publish(base: Target, count: int, *, keyed: bool = False) -> Outco
         gate = asyncio.Semaphore(IN_FLIGHT)
 
         # FastStream's own publish of each message, as a plain relay would call it.
-        plain = getattr(transport, "publish_through_broker", transport.publish)
+        plain = getattr(transport, "publish_through_broker", transport.send)
 
         async def publish(envelope: Envelope, headers: dict[str, str]) -> None:
             async with gate:
@@ -1091,7 +1088,7 @@ async def counter(settings: ServiceSettings, event: str, expect: int) -> None:
     container = bench_container(settings)
     bus = settings.message_bus
     names = EndpointNames(settings.application.namespace, bus.preserve_default_endpoint_names)
-    transport = build_transport(bus, names, container.registry())
+    transport = build_transport(bus, names, container.registry(), container.signer())
     tally = Tally(expect)
 
     async def ignored(message: BenchTicked | BenchKeyed, uow: UnitOfWork) -> None:
@@ -1108,8 +1105,7 @@ async def counter(settings: ServiceSettings, event: str, expect: int) -> None:
         tally.arrived(delivery.message_id, payload if isinstance(payload, dict) else {})
 
     transport.subscribe(consumer, on_delivery)
-    await transport.connect()
-    await transport.declare([consumer])
+    await transport.start()
     await transport.start_consuming()
     try:
         await ready_until_stopped(lambda: len(tally.seen))

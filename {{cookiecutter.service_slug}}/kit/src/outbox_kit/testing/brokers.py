@@ -23,17 +23,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from faststream.redis.parser.binary import BinaryMessageFormatV1
 from redis.asyncio import Redis
 
-from outbox_kit.consume.bus import FastStreamBus
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import TEST_SIGNING_KEYS
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1
-from outbox_kit.transports.base import DeadLetterCopy
+from outbox_kit.transports.base import DeadLetterCopy, FastStreamTransport
 from outbox_kit.transports.envelope import SIGNATURE, USER_ROLES
 from outbox_kit.transports.redis import Utf8BinaryMessageFormat
 
 
-def _bus(container: OutboxContainer) -> FastStreamBus:
-    return cast("FastStreamBus", container.bus())
+def _bus(container: OutboxContainer) -> FastStreamTransport:
+    return cast("FastStreamTransport", container.bus())
 
 
 def _url(container: OutboxContainer) -> str:

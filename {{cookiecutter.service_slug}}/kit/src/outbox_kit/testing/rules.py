@@ -465,7 +465,7 @@ TRANSPORTS = tuple(f"{KIT_PACKAGE}/transports/{broker}.py" for broker in _BROKER
 MAY_PUBLISH = (
     f"{KIT_PACKAGE}/processor/deliverers.py",  # the outbox processor's deliverer: the one publisher
     f"{KIT_PACKAGE}/transports/bus.py",  # the MessageBus port; outbox off, in-process only
-    f"{KIT_PACKAGE}/consume/bus.py",  # the buses the processor publishes through
+    f"{KIT_PACKAGE}/transports/in_process.py",  # the in-process bus the processor publishes through
     *TRANSPORTS,
     # test tooling: hostile messages published raw, a duplicate on purpose, a recording bus
     f"{KIT_PACKAGE}/testing/",

@@ -1,39 +1,14 @@
-"""What every broker layer shares: the transport port (:class:`BrokerTransport`, with the
-:class:`BrokerDelivery` it hands a consumer), the FastStream base the four transports derive
-from, reading a received message's broker headers, and dead-letter copies that fit the broker.
+"""What the four broker transports share: the FastStream base (:class:`FastStreamTransport`,
+the message bus port for a broker), the :class:`BrokerDelivery` a transport hands the consume
+wrapper, reading a received message's broker headers, and dead-letter copies that fit the broker.
 
-Broker headers: reading a received message's headers, and dead-letter copies that fit the
-broker's limits.
+Publishing: every transport signs the envelope, adds its CloudEvent headers, publishes within
+``MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS`` (a batch pipelined on the broker's own acknowledgements)
+and tells an outage (:class:`~outbox_kit.transports.bus.BrokerUnavailableError`, never charged to
+the row) from a refusal of the message; a subclass only puts one signed message on its broker.
 
-Copies a consumer publishes of a message it received (the dead-letter copy, Kafka's retry copy),
-sized against what the transport accepts before they are published.
-
-A copy carries the original's headers escaped (a control byte becomes ``\\xNN``, four times its
-size), so an original the broker accepted can give a copy it refuses, and how it refuses depends
-on the transport: RabbitMQ closes the whole connection on a header frame over ``frame_max``
-(every consumer and publisher on it included, and the message comes back after the reconnect),
-NATS closes the connection on a message over ``max_payload`` and refuses headers over 64 KiB,
-Kafka's producer refuses a record over ``max_request_size``. So every copy is measured first
-(:class:`CopyLimit`, one per transport): a copy that does not fit keeps only its essential
-headers (the service's signed headers within their own limits, and the reason), and a body that
-still does not fit is cut; a copy the broker refuses all the same is sent again as a minimal copy
-(essential headers, no body). What was left out is said in ``x-truncated``. A refusal is then a
-failure of that one message, never of the connection, and every message still ends processed or
-dead-lettered.
-
-Reading what a broker hands over without trusting it: the body undecoded, header values as text,
-the broker's own delivery counters strictly, and the headers a dead-letter copy carries along
-(escaped, bounded).
-
-What every broker layer implements (the transport port), and the FastStream base they share.
-
-What a broker transport gives the consume wrapper (a received message with its ack, retry and
-dead-letter steps) and what it is (topology, publish, subscribe), as Protocols.
-
-What every broker transport provides to the FastStream bus.
-
-Everything that arrives is untrusted, bytes and headers alike, and every message must end
-acknowledged: processed, retried (bounded) or dead-lettered with a reason. So the transports:
+Receiving: everything that arrives is untrusted, bytes and headers alike, and every message must
+end acknowledged: processed, retried (bounded) or dead-lettered with a reason. So the transports:
 
 * hand the message over undecoded (:func:`the_message` replaces FastStream's decoder, which would
   run ``json.loads`` before the service sees the message: a 5,000-digit integer or a deeply
@@ -46,11 +21,23 @@ acknowledged: processed, retried (bounded) or dead-lettered with a reason. So th
   would never write was forged or mangled on the way, and with it the retries can no longer be
   bounded, so the message is rejected (``malformed_header``) instead of trusted or crashed on;
 * copy header values onto dead-letter copies only as one line of valid UTF-8 text, bounded
-  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself; and size each
-  copy against what the broker accepts before publishing it (copies.py): an oversized copy used
-  to close a RabbitMQ or NATS connection, or block a Kafka partition;
+  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself;
 * where FastStream's own parser fails on what a broker can carry (Redis, Kafka), parse a
-  readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message."""
+  readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message.
+
+Dead-letter copies (and Kafka's retry copy) are sized against what the transport accepts before
+they are published. A copy carries the original's headers escaped (a control byte becomes
+``\\xNN``, four times its size), so an original the broker accepted can give a copy it refuses,
+and how it refuses depends on the transport: RabbitMQ closes the whole connection on a header
+frame over ``frame_max`` (every consumer and publisher on it included, and the message comes back
+after the reconnect), NATS closes the connection on a message over ``max_payload`` and refuses
+headers over 64 KiB, Kafka's producer refuses a record over ``max_request_size``. So every copy is
+measured first (:class:`CopyLimit`, one per transport): a copy that does not fit keeps only its
+essential headers (the service's signed headers within their own limits, and the reason), and a
+body that still does not fit is cut; a copy the broker refuses all the same is sent again as a
+minimal copy (essential headers, no body). What was left out is said in ``x-truncated``. A
+refusal is then a failure of that one message, never of the connection, and every message still
+ends processed or dead-lettered."""
 
 from __future__ import annotations
 
@@ -66,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.text import as_str, safe_text
-from outbox_kit.transports.bus import PublishResult, Unrouted
+from outbox_kit.transports.bus import BrokerUnavailableError, PublishResult, Unrouted
 from outbox_kit.transports.envelope import (
     LIMITS,
     MESSAGE_ID,
@@ -75,14 +62,16 @@ from outbox_kit.transports.envelope import (
     Envelope,
     RejectedMessageError,
     Rejection,
+    Signer,
+    cloud_event_headers,
 )
+from outbox_kit.transports.settings import EndpointNames
 
 if TYPE_CHECKING:
     from opentelemetry.trace import TracerProvider
     from prometheus_client import CollectorRegistry
 
     from outbox_kit.transports.settings import MessageBusSettings
-from typing import TYPE_CHECKING
 
 from faststream import BaseMiddleware
 from faststream.prometheus.types import PublishingStatus
@@ -355,59 +344,6 @@ class DeadLetterCopy:
         return self.headers.get("x-error", "")
 
 
-class BrokerTransport(Protocol):
-    """Topology, publish and subscribe for one broker."""
-
-    broker: Any
-    # How the broker's CloudEvents binding names the attribute headers (envelope.cloud_event_headers).
-    cloud_events_prefix: str
-
-    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None: ...
-
-    def count_in(self, registry: CollectorRegistry) -> None:
-        """Add FastStream's own broker metrics (``faststream_*``: received, processed, published,
-        durations, by destination and status) to ``registry``, before the first subscribe."""
-
-    def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
-        """Open FastStream's ``process`` span (messaging semantic conventions) around every
-        consumed message, child of its ``traceparent``, reported to ``tracer_provider``; publishes
-        are left alone (their ``traceparent`` is signed). Before the first subscribe."""
-
-    async def connect(self) -> None: ...
-
-    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None: ...
-
-    async def start_consuming(self) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def ping(self) -> None: ...
-
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
-        """Publish, durably accepted; :class:`Unrouted` when no consumer was bound to take it."""
-        ...
-
-    async def publish_batch(
-        self, messages: Sequence[tuple[Envelope, dict[str, str]]], window: int
-    ) -> list[PublishResult]:
-        """Publish every message, up to ``window`` awaiting the broker's acknowledgement at once
-        (the broker pipelines them), each within ``MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS``; one
-        result per message, in order: a message's error is its result, never raised."""
-        ...
-
-    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
-        """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
-        ...
-
-    def is_outage(self, error: BaseException) -> bool:
-        """True when ``error`` means the broker is unreachable (not that the message is bad)."""
-        ...
-
-    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
-        """Delete what ``declare`` created, messages included (tests, decommissioning)."""
-        ...
-
-
 # FastStream's own records (a subscriber waiting, a message that failed) go through the service's
 # handler like every other record: FastStream's default logger paints ANSI colours even into a
 # file, and it would bypass the escaping and credential masking of the service's log format.
@@ -562,20 +498,38 @@ async def publish_each(
     return list(await asyncio.gather(*(one(e, h) for e, h in messages), return_exceptions=True))
 
 
+# Errors that mean the broker could not be reached, on every transport (each adds its client's own).
+OUTAGES = (ConnectionError, TimeoutError, OSError)
+
+
 class FastStreamTransport:
-    """The broker lifecycle every transport shares (the broker itself is set by the subclass)."""
+    """A broker behind the message bus port (:class:`~outbox_kit.transports.bus.MessageBus`), on
+    FastStream: the publish every transport shares (sign, CloudEvent headers, the time limit,
+    outages told from refusals), the broker's lifecycle, and what a broker adds to publishing:
+    the way in (``consume/`` subscribes each consumer's wrapper), its topology and its dead
+    letters. A subclass sets the broker, puts one signed message on it (:meth:`send`) and lays
+    out its queues, streams or topics."""
 
     broker: Any
-    _settings: MessageBusSettings  # set by the subclass
     label = "the broker"
     cloud_events_prefix = "ce-"  # the HTTP and NATS bindings' form (RabbitMQ and Redis have none)
     # FastStream's Prometheus middleware for this broker (set by the subclass, like the broker).
     metrics_middleware: Callable[..., Any]
 
+    def __init__(self, settings: MessageBusSettings, names: EndpointNames, signer: Signer) -> None:
+        self.name = settings.transport.value
+        self.names = names
+        self._settings = settings
+        self._signer = signer
+        self._source = f"/{names.namespace}"  # a CloudEvent's source: the service that published it
+        self._consumers: list[Consumer[Any]] = []
+
     # FastStream's publish metrics, for a publish that goes beneath the broker's middlewares.
     _publish_metrics: Any = None
 
     def count_in(self, registry: CollectorRegistry) -> None:
+        """Add FastStream's own broker metrics (``faststream_*``: received, processed, published,
+        durations, by destination and status) to ``registry``, before the first subscribe."""
         middleware = self.metrics_middleware(registry=registry)
         self.broker.add_middleware(middleware)
         # The same counters the middleware keeps (``faststream_published_messages_*``; FastStream
@@ -598,6 +552,9 @@ class FastStreamTransport:
         metrics.add_published_message(broker=broker, destination=destination, status=status)
 
     def trace_consumes_with(self, tracer_provider: TracerProvider) -> None:
+        """Open FastStream's ``process`` span (messaging semantic conventions) around every
+        consumed message, child of its ``traceparent``, reported to ``tracer_provider``; publishes
+        are left alone (their ``traceparent`` is signed). Before the first subscribe."""
         self.broker.add_middleware(ConsumingOnly(self.telemetry_middleware(tracer_provider)))
 
     def telemetry_middleware(self, tracer_provider: TracerProvider) -> Any:  # noqa: ANN401
@@ -605,14 +562,104 @@ class FastStreamTransport:
         optional ``otel`` extra)."""
         raise NotImplementedError
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
-        raise NotImplementedError
+    # -- publishing: the message bus port --------------------------------------------------------
 
-    async def publish_batch(
+    async def publish(self, envelope: Envelope) -> Unrouted | None:
+        """One message: a batch of one (no task, no gather: see :func:`publish_each`)."""
+        (result,) = await self.publish_batch([envelope], 1)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    async def publish_batch(self, envelopes: Sequence[Envelope], window: int) -> list[PublishResult]:
+        """Sign each envelope and publish them together; an outage becomes
+        :class:`BrokerUnavailableError` (the circuit breaker's), any other error stays the message's."""
+        messages = [(envelope, self._headers(envelope)) for envelope in envelopes]
+        try:
+            results = await self.send_batch(messages, window)
+        except Exception as error:  # noqa: BLE001 (before any message: the batch's channel, say)
+            return [self._classified(error)] * len(messages)
+        return [
+            self._classified(result) if isinstance(result, BaseException) else result for result in results
+        ]
+
+    async def send_batch(
         self, messages: Sequence[tuple[Envelope, dict[str, str]]], window: int
     ) -> list[PublishResult]:
-        """Each message through :meth:`publish`, pipelined (see :func:`publish_each`)."""
-        return await publish_each(self.publish, messages, window, self._settings.publish_timeout_seconds)
+        """Put every signed message on the broker, up to ``window`` awaiting its acknowledgement at
+        once (the broker pipelines them), each within ``MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS``; one
+        result per message, in order: a message's error is its result, never raised. By default
+        each through :meth:`send` (see :func:`publish_each`)."""
+        return await publish_each(self.send, messages, window, self._settings.publish_timeout_seconds)
+
+    async def send(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """Put one signed message on the broker, durably accepted; :class:`Unrouted` when no
+        consumer was bound to take it."""
+        raise NotImplementedError
+
+    def is_outage(self, error: BaseException) -> bool:
+        """True when ``error`` means the broker is unreachable (not that the message is bad)."""
+        raise NotImplementedError
+
+    def _headers(self, envelope: Envelope) -> dict[str, str]:
+        headers = self._signer.sign(envelope.headers(), envelope.body)
+        headers.update(cloud_event_headers(envelope, source=self._source, prefix=self.cloud_events_prefix))
+        return headers
+
+    def _classified(self, error: BaseException) -> BaseException:
+        if isinstance(error, OUTAGES) or self.is_outage(error):
+            outage = BrokerUnavailableError(f"{self.name} is unreachable: {type(error).__name__}: {error}")
+            outage.__cause__ = error
+            return outage
+        return error
+
+    # -- the way in and the topology ---------------------------------------------------------------
+
+    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        """Deliver ``consumer``'s messages to ``handler`` once consuming starts; :meth:`start`
+        declares the consumer's queues or streams."""
+        self._consumers.append(consumer)
+        self.listen(consumer, handler)
+
+    def listen(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        """Attach ``handler`` to ``consumer``'s queue, stream or topic on the broker."""
+        raise NotImplementedError
+
+    async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
+        """Create what ``consumers`` read from and their retry and dead-letter destinations
+        (idempotent: a second replica starting finds them)."""
+        raise NotImplementedError
+
+    async def drop_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        """Delete what :meth:`declare` created, messages included."""
+        raise NotImplementedError
+
+    async def read_dead_letters(self, consumer: Consumer[Any], limit: int) -> list[DeadLetterCopy]:
+        raise NotImplementedError
+
+    async def dead_letters(self, consumer_name: str, limit: int = 100) -> list[DeadLetterCopy]:
+        """Read a consumer's dead letters (RabbitMQ consumes them; the others only read)."""
+        (consumer,) = [c for c in self._consumers if c.name == consumer_name]
+        return await self.read_dead_letters(consumer, limit)
+
+    async def delete_topology(self) -> None:
+        """Remove this service's queues, streams and exchanges from the broker, messages included.
+        For tests and for decommissioning a namespace; never called by the service itself."""
+        await self.connect()
+        try:
+            await self.drop_topology(self._consumers)
+        finally:
+            await self.close()
+
+    # -- the lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and declare the topology of every subscribed consumer."""
+        await self.connect()
+        await self.declare(self._consumers)
+
+    async def stop(self) -> None:
+        await self.close()
 
     async def connect(self) -> None:
         await self.broker.connect()

@@ -100,7 +100,7 @@ from outbox_kit.transports.base import (
     signed_essentials,
     the_message,
 )
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
@@ -272,10 +272,10 @@ class KafkaTransport(FastStreamTransport):
         settings: MessageBusSettings,
         names: EndpointNames,
         registry: MessageRegistry,
+        signer: Signer,
         admin: Callable[[str], KafkaAdmin] = aiokafka_admin,
     ) -> None:
-        self._settings = settings
-        self._names = names
+        super().__init__(settings, names, signer)
         self._registry = registry
         self._admin = admin
         self._bootstrap = settings.url or "localhost:9092"
@@ -295,23 +295,23 @@ class KafkaTransport(FastStreamTransport):
 
     def topics(self, consumers: Sequence[Consumer[Any]]) -> list[str]:
         """Every topic this service publishes to or reads from (retry and dead-letter included)."""
-        published = {self._names.channel(e.message_name) for e in self._registry.classes(IntegrationEvent)}
+        published = {self.names.channel(e.message_name) for e in self._registry.classes(IntegrationEvent)}
         consumed = {
             name
             for c in consumers
             for name in (
-                self._names.channel(c.event_type.message_name),
-                self._names.retry_queue(c.name),
-                self._names.dead_letters(c.name),
+                self.names.channel(c.event_type.message_name),
+                self.names.retry_queue(c.name),
+                self.names.dead_letters(c.name),
             )
         }
         return sorted(published | consumed)
 
-    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
-        topic = self._names.channel(consumer.event_type.message_name)
-        group = self._names.queue(consumer.name)
-        retry_topic = self._names.retry_queue(consumer.name)
-        dlq = self._names.dead_letters(consumer.name)
+    def listen(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        topic = self.names.channel(consumer.event_type.message_name)
+        group = self.names.queue(consumer.name)
+        retry_topic = self.names.retry_queue(consumer.name)
+        dlq = self.names.dead_letters(consumer.name)
         broker = self.broker
         delay = self._settings.redelivery_delay_seconds
         longest_backoff = delay * 2 ** (self._settings.max_delivery_attempts - 1)
@@ -376,7 +376,7 @@ class KafkaTransport(FastStreamTransport):
             )
             raise KafkaTopologyError(msg)
 
-    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+    async def drop_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # topics belong to the cluster's administration
 
     async def start_consuming(self) -> None:
@@ -387,10 +387,10 @@ class KafkaTransport(FastStreamTransport):
             await publisher.start()
         self.broker.running = True
 
-    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+    async def read_dead_letters(self, consumer: Consumer[Any], limit: int) -> list[DeadLetterCopy]:
         """The oldest ``limit`` records of the consumer's ``<group>.dlq``, read from the start of
         every partition without a group (nothing committed, nothing removed)."""
-        topic = self._names.dead_letters(consumer.name)
+        topic = self.names.dead_letters(consumer.name)
         reader = AIOKafkaConsumer(bootstrap_servers=self._bootstrap, enable_auto_commit=False)
         await reader.start()
         try:
@@ -411,10 +411,10 @@ class KafkaTransport(FastStreamTransport):
             error, (KafkaConnectionError, KafkaTimeoutError, NodeNotReadyError, RequestTimedOutError)
         )
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> None:
+    async def send(self, envelope: Envelope, headers: dict[str, str]) -> None:
         await self.broker.publish(
             envelope.body,
-            self._names.channel(envelope.event_name),
+            self.names.channel(envelope.event_name),
             key=envelope.ordering_key.encode() if envelope.ordering_key else None,
             headers=headers,
         )

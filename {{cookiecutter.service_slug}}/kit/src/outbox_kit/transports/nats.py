@@ -69,7 +69,7 @@ from outbox_kit.transports.base import (
     the_message,
 )
 from outbox_kit.transports.bus import Unrouted
-from outbox_kit.transports.envelope import Envelope
+from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
@@ -239,9 +239,10 @@ class NatsTransport(FastStreamTransport):
     metrics_middleware = NatsPrometheusMiddleware
     broker: NatsBroker
 
-    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
-        self._settings = settings
-        self._names = names
+    def __init__(
+        self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry, signer: Signer
+    ) -> None:
+        super().__init__(settings, names, signer)
         self.broker = NatsBroker(
             settings.url or "nats://localhost:4222", logger=BROKER_LOG, apply_types=False
         )
@@ -250,17 +251,17 @@ class NatsTransport(FastStreamTransport):
         self._subjects = sorted({names.channel(e.message_name) for e in registry.classes(IntegrationEvent)})
         self._known = KnownConsumers()
 
-    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
-        subject = self._names.channel(consumer.event_type.message_name)
+    def listen(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+        subject = self.names.channel(consumer.event_type.message_name)
         broker = self.broker
-        dlq_subject = self._names.dead_letter_subject(consumer.name)
+        dlq_subject = self.names.dead_letter_subject(consumer.name)
         delay = self._settings.redelivery_delay_seconds
         longest_delay = delay * 2 ** (self._settings.max_delivery_attempts - 1)
 
         @broker.subscriber(
             subject,
             stream=JStream(self._events, declare=False),
-            durable=durable_name(self._names.queue(consumer.name)),
+            durable=durable_name(self.names.queue(consumer.name)),
             pull_sub=PullSub(batch_size=10, timeout=1.0),
             config=ConsumerConfig(
                 max_deliver=UNLIMITED_DELIVERIES,
@@ -289,12 +290,12 @@ class NatsTransport(FastStreamTransport):
     async def declare(self, consumers: Sequence[Consumer[Any]]) -> None:
         if self._subjects:
             await ensure_stream(self._jetstream(), self._events, self._subjects)
-        await ensure_stream(self._jetstream(), self._dead_letters, [f"dlq.{self._names.queue('')}>"])
+        await ensure_stream(self._jetstream(), self._dead_letters, [f"dlq.{self.names.queue('')}>"])
         for consumer in consumers:
-            durable = durable_name(self._names.queue(consumer.name))
+            durable = durable_name(self.names.queue(consumer.name))
             await refresh_consumer(self._jetstream(), self._events, durable)
 
-    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+    async def drop_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         del consumers  # their durable consumers go with the stream
         js = self.broker.config.connection_state.stream
         for name in (self._events, self._dead_letters):
@@ -303,9 +304,9 @@ class NatsTransport(FastStreamTransport):
             except NotFoundError:
                 continue
 
-    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+    async def read_dead_letters(self, consumer: Consumer[Any], limit: int) -> list[DeadLetterCopy]:
         js = self.broker.config.connection_state.stream
-        subject = self._names.dead_letter_subject(consumer.name)
+        subject = self.names.dead_letter_subject(consumer.name)
         info = await js.stream_info(self._dead_letters)
         copies: list[DeadLetterCopy] = []
         if not info.state.messages:
@@ -332,11 +333,11 @@ class NatsTransport(FastStreamTransport):
             raise PingFailedError(msg)
         await self._jetstream().account_info()
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+    async def send(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
         """A JetStream publish (acknowledged by the stream); :class:`Unrouted` when no consumer
         of the stream filters the subject yet (the message stays in the stream, and a durable
         consumer created later reads it from the stream's start)."""
-        subject = self._names.channel(envelope.event_name)
+        subject = self.names.channel(envelope.event_name)
         await self.broker.publish(
             envelope.body,
             subject,

@@ -81,7 +81,7 @@ from outbox_kit.transports.base import (
     the_message,
 )
 from outbox_kit.transports.bus import PublishResult, Unrouted
-from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection
+from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
@@ -193,10 +193,11 @@ class RabbitTransport(FastStreamTransport):
     metrics_middleware = RabbitPrometheusMiddleware
     broker: RabbitBroker
 
-    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
-        self._settings = settings
-        self._names = names
-        self._registry = registry
+    def __init__(
+        self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry, signer: Signer
+    ) -> None:
+        super().__init__(settings, names, signer)
+        del registry  # every event goes to the one exchange
         # A prefetch applies to each consumer of the channel on its own, and to no publish.
         prefetch = min(2 * settings.consume_batch_size * settings.consume_concurrency, MAX_PREFETCH)
         channel = Channel(on_return_raises=True, prefetch_count=prefetch)
@@ -208,13 +209,13 @@ class RabbitTransport(FastStreamTransport):
         self._probe: AbstractChannel | None = None  # readiness's own channel (see the module)
 
     def _queues(self, consumer: Consumer[Any]) -> tuple[RabbitQueue, RabbitQueue, RabbitQueue]:
-        main_name = self._names.queue(consumer.name)
-        retry_name = self._names.retry_queue(consumer.name)
+        main_name = self.names.queue(consumer.name)
+        retry_name = self.names.retry_queue(consumer.name)
         main = RabbitQueue(
             main_name,
             durable=True,
             queue_type=QueueType.QUORUM,
-            routing_key=self._names.channel(consumer.event_type.message_name),
+            routing_key=self.names.channel(consumer.event_type.message_name),
             arguments={"x-dead-letter-exchange": "", "x-dead-letter-routing-key": retry_name},
         )
         retry = RabbitQueue(
@@ -226,9 +227,9 @@ class RabbitTransport(FastStreamTransport):
                 "x-dead-letter-routing-key": main_name,
             },
         )
-        return main, retry, RabbitQueue(self._names.dead_letters(consumer.name), durable=True)
+        return main, retry, RabbitQueue(self.names.dead_letters(consumer.name), durable=True)
 
-    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+    def listen(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
         main, _, dlq = self._queues(consumer)
         broker = self.broker
         timeout = self._settings.publish_timeout_seconds
@@ -240,7 +241,7 @@ class RabbitTransport(FastStreamTransport):
     def _unrouted_queue(self) -> RabbitQueue:
         # Bounded, the oldest copy dropped first (MESSAGE_BUS__UNROUTED_MAX_MESSAGES).
         return RabbitQueue(
-            self._names.unrouted(),
+            self.names.unrouted(),
             durable=True,
             arguments={"x-max-length": self._settings.unrouted_max_messages, "x-overflow": "drop-head"},
         )
@@ -270,7 +271,7 @@ class RabbitTransport(FastStreamTransport):
             msg = f"RabbitMQ queue {queue.name} already exists with other arguments ({error}).{hint}"
             raise TopologyMismatchError(msg) from error
 
-    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+    async def drop_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
         for consumer in consumers:
             for queue in self._queues(consumer):
                 declared = await self.broker.declare_queue(queue)
@@ -280,7 +281,7 @@ class RabbitTransport(FastStreamTransport):
         exchange = await self.broker.declare_exchange(self._exchange)
         await exchange.delete(if_unused=False)
 
-    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+    async def read_dead_letters(self, consumer: Consumer[Any], limit: int) -> list[DeadLetterCopy]:
         queue = await self.broker.declare_queue(self._queues(consumer)[2])
         copies = []
         for _ in range(limit):
@@ -298,14 +299,14 @@ class RabbitTransport(FastStreamTransport):
         # to the broker is cut mid-publish. Nothing else in a publish raises one.
         return type(error) is Exception and not error.args
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
-        """One message: a batch of one (see :meth:`publish_batch`)."""
-        (result,) = await self.publish_batch([(envelope, headers)], 1)
+    async def send(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+        """One message: a batch of one (see :meth:`send_batch`)."""
+        (result,) = await self.send_batch([(envelope, headers)], 1)
         if isinstance(result, BaseException):
             raise result
         return result
 
-    async def publish_batch(
+    async def send_batch(
         self, messages: Sequence[tuple[Envelope, dict[str, str]]], window: int
     ) -> list[PublishResult]:
         """Persistent, mandatory, confirmed publishes on the AMQP channel beneath FastStream's, to
@@ -328,7 +329,7 @@ class RabbitTransport(FastStreamTransport):
         name = self._exchange.name
 
         async def confirmed(envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
-            routing_key = self._names.channel(envelope.event_name)
+            routing_key = self.names.channel(envelope.event_name)
             properties = Basic.Properties(
                 content_type="application/json",
                 delivery_mode=PERSISTENT,
@@ -370,7 +371,7 @@ class RabbitTransport(FastStreamTransport):
         await self.broker.publish(
             envelope.body,
             exchange=self._exchange,
-            routing_key=self._names.channel(envelope.event_name),
+            routing_key=self.names.channel(envelope.event_name),
             persist=True,
             mandatory=True,
             headers=dict[str, Any](headers),

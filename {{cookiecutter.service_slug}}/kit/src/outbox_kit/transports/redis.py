@@ -79,7 +79,7 @@ from outbox_kit.transports.base import (
     the_message,
 )
 from outbox_kit.transports.bus import Unrouted
-from outbox_kit.transports.envelope import Envelope, claimed_context
+from outbox_kit.transports.envelope import Envelope, Signer, claimed_context
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
@@ -188,10 +188,11 @@ class RedisTransport(FastStreamTransport):
     metrics_middleware = RedisPrometheusMiddleware
     broker: RedisBroker
 
-    def __init__(self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry) -> None:
+    def __init__(
+        self, settings: MessageBusSettings, names: EndpointNames, registry: MessageRegistry, signer: Signer
+    ) -> None:
+        super().__init__(settings, names, signer)
         del registry
-        self._settings = settings
-        self._names = names
         self.broker = RedisBroker(
             settings.url or "redis://localhost:6379",
             message_format=Utf8BinaryMessageFormat,
@@ -203,12 +204,12 @@ class RedisTransport(FastStreamTransport):
         self._known = KnownConsumers()
 
     def _stream(self, consumer: Consumer[Any]) -> str:
-        return self._names.channel(consumer.event_type.message_name)
+        return self.names.channel(consumer.event_type.message_name)
 
-    def subscribe(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
+    def listen(self, consumer: Consumer[Any], handler: DeliveryHandler) -> None:
         stream = self._stream(consumer)
-        group = self._names.queue(consumer.name)
-        dlq = self._names.dead_letters(consumer.name)
+        group = self.names.queue(consumer.name)
+        dlq = self.names.dead_letters(consumer.name)
         idle_ms = int(self._settings.redelivery_delay_seconds * 1000)
         broker = self.broker
 
@@ -268,20 +269,20 @@ class RedisTransport(FastStreamTransport):
         for consumer in consumers:
             try:
                 await client.xgroup_create(
-                    self._stream(consumer), self._names.queue(consumer.name), id="0", mkstream=True
+                    self._stream(consumer), self.names.queue(consumer.name), id="0", mkstream=True
                 )
             except ResponseError as error:
                 if "BUSYGROUP" not in str(error):
                     raise
 
-    async def delete_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
-        names = {self._stream(c) for c in consumers} | {self._names.dead_letters(c.name) for c in consumers}
+    async def drop_topology(self, consumers: Sequence[Consumer[Any]]) -> None:
+        names = {self._stream(c) for c in consumers} | {self.names.dead_letters(c.name) for c in consumers}
         if names:
             await self.broker.config.connection.client.delete(*sorted(names))
 
-    async def dead_letters(self, consumer: Consumer[Any], limit: int = 100) -> list[DeadLetterCopy]:
+    async def read_dead_letters(self, consumer: Consumer[Any], limit: int) -> list[DeadLetterCopy]:
         entries = await self.broker.config.connection.client.xrange(
-            self._names.dead_letters(consumer.name), count=limit
+            self.names.dead_letters(consumer.name), count=limit
         )
         copies = []
         for _entry_id, fields in entries:
@@ -292,10 +293,10 @@ class RedisTransport(FastStreamTransport):
     def is_outage(self, error: BaseException) -> bool:
         return isinstance(error, (RedisConnectionError, RedisTimeoutError))
 
-    async def publish(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
+    async def send(self, envelope: Envelope, headers: dict[str, str]) -> Unrouted | None:
         """XADD; :class:`Unrouted` when no consumer group reads the stream yet (the entry stays in
         the stream: a group created later, at id 0, reads it)."""
-        stream = self._names.channel(envelope.event_name)
+        stream = self.names.channel(envelope.event_name)
         await self.broker.publish(envelope.body, stream=stream, headers=headers)
         client = self.broker.config.connection.client
 
