@@ -44,7 +44,7 @@ demo: $(DEMO_TOOLS)/bin/.installed ## generate a service with the defaults and r
 # and one more), so the long ones split between the workers and both end together; by default
 # pytest-xdist hands each worker a quarter of its share at once, all the long tests to one of
 # them. Each worker builds the bakes it needs. WORKERS=0 runs the tests one after another.
-WORKERS ?= 3
+WORKERS ?= 4
 
 test: $(BIN)/.installed ## every tier of the template's tests (service-backed ones where services answer)
 	$(BIN)/python -m pytest $(if $(filter-out 0,$(WORKERS)),-n $(WORKERS) --maxschedchunk 1)
