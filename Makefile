@@ -37,11 +37,12 @@ demo: $(DEMO_TOOLS)/bin/.installed ## generate a service with the defaults and r
 	$(DEMO_TOOLS)/bin/cookiecutter --no-input --output-dir $(DEMO_DIR) .
 	PATH="$(CURDIR)/$(DEMO_TOOLS)/bin:$$PATH" $(MAKE) -C $(DEMO_DIR)/$(SLUG) install migrate run
 
-# Three workers on two cores: most of the suite waits on real processes and servers (the generated
-# service's tiers, the kit's broker tests: a kit part uses 40% of a core), so a third test fills
-# the waits of the other two (CI: 22.3 min with two workers, the CPU 58% busy). The long tests come first
+# Four workers on two cores: most of the suite waits on real processes and servers (the generated
+# service's tiers, the kit's broker tests: a part of the kit's suite keeps 40% of a core busy), so
+# more tests at once fill the waits. `.ci/run` on a quiet machine: 23.4 min with two workers,
+# 19.5 with three, 18.3 with four (both cores 87% busy over the run). The long tests come first
 # (tests/conftest.py) and tests are handed out one at a time (each worker holds the test it runs
-# and one more), so the long ones split between the workers and both end together; by default
+# and one more), so the long ones split between the workers and all end together; by default
 # pytest-xdist hands each worker a quarter of its share at once, all the long tests to one of
 # them. Each worker builds the bakes it needs. WORKERS=0 runs the tests one after another.
 WORKERS ?= 4
