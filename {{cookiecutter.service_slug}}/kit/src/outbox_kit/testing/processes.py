@@ -133,6 +133,9 @@ from outbox_kit.transports.envelope import (
 
 REPORT: list[dict[str, Any]] = []
 DUPLICATE_LINE = "skipped duplicate message"  # the inbox's log line for a copy it did not run
+# What lets a worker started with ``--wait-for-cue`` begin (SIGUSR1 asks a worker for its stacks).
+CUE = signal.SIGUSR2
+READY_FOR_THE_CUE = "ready for the cue"
 
 
 def sql(uow: UnitOfWork) -> SqlUnitOfWork:
@@ -269,6 +272,11 @@ class Fleet:
                 msg = f"{name} never said {text!r} (exit {worker.process.returncode}):\n{self.tail(worker)}"
                 raise AssertionError(msg)
             await asyncio.sleep(0.02)
+
+    def cue(self, name: str) -> None:
+        """Let a worker started with ``--wait-for-cue`` begin its work (once it said
+        :data:`READY_FOR_THE_CUE`)."""
+        self.workers[name].process.send_signal(CUE)
 
     def kill(self, name: str) -> None:
         worker = self.workers.pop(name)
@@ -1022,6 +1030,11 @@ async def work(args: argparse.Namespace) -> None:
             figures.count_claims(source)
     status = asyncio.create_task(figures.write_every(0.2))
     try:
+        if args.wait_for_cue:  # imported and built ahead of its cue: its start-up costs the scenario nothing
+            cue = asyncio.Event()
+            asyncio.get_running_loop().add_signal_handler(CUE, cue.set)
+            print(READY_FOR_THE_CUE, flush=True)
+            await cue.wait()
         await run_worker(container)
     finally:
         status.cancel()
@@ -1074,6 +1087,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poison-file", default="")
     parser.add_argument("--after-publish-seconds", type=float, default=0.0)
     parser.add_argument("--relay-only", action="store_true", help="no consumer in this process")
+    parser.add_argument("--wait-for-cue", action="store_true", help="start working only after a SIGUSR2")
     parser.add_argument("--status", default="")
     parser.add_argument(
         "--commits", type=int, default=0, help="be an API process: commit this often, then exit"

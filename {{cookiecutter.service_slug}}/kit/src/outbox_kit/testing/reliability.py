@@ -75,6 +75,7 @@ from outbox_kit.testing.processes import (
     CRASHED_AFTER_PUBLISH,
     HANDLER_POISON,
     LEDGER,
+    READY_FOR_THE_CUE,
     RELAY_POISON,
     REPORT,
     Fleet,
@@ -233,10 +234,16 @@ async def test_1_a_worker_frozen_past_its_lease_writes_no_outcome_when_it_resume
     sent = await write_events(scene.container, 1500, key_of=cycling(40), per_commit=50)
     # Only its relay is frozen: a frozen consumer would hold its prefetched messages as well. It
     # starts first: a relay publishing its batches whole drains the 40 keys' heads as soon as
-    # they are free, so a relay that starts second can find none until the backlog is gone.
+    # they are free, so a relay that starts second can find none until the backlog is gone. The
+    # other is started ahead and waits for its cue: on a loaded machine its start-up took longer
+    # than the frozen relay needed to publish the whole backlog alone, and nothing was left in
+    # flight to freeze.
+    scene.fleet.start("other", "--wait-for-cue")
+    await scene.fleet.said("other", READY_FOR_THE_CUE)
     await start_workers(scene.fleet, "frozen", options=("--relay-only", "--after-publish-seconds", "0.2"))
     await scene.fleet.said("frozen", "not stamped yet")
-    await start_workers(scene.fleet, "other")
+    scene.fleet.cue("other")
+    await scene.fleet.started("other")
     await wait_until(lambda: _count_at_least(scene.container, 200), 60, "the first 200 delivered")
     await scene.fleet.said("frozen", "not stamped yet", anew=True)  # publishes in flight now:
     scene.fleet.freeze("frozen")
