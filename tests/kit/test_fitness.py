@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
-from outbox_kit.transports.in_process import InProcessBus
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing import CallGraph, FitnessRules, golden_list_problems, source_index
+from outbox_kit.transports.in_process import InProcessBus
 
 pytestmark = pytest.mark.unit
 

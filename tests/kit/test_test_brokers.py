@@ -279,7 +279,11 @@ def kafka_transport(admin: FakeKafkaAdmin, **bus: Any) -> tuple[KafkaTransport, 
 
     handlers.consume("kit.observer", CounterChangedV1, observe)
     transport = KafkaTransport(
-        settings, EndpointNames("shop"), registry, Signer({}, None, allow_unsigned=True), admin=lambda _servers: admin
+        settings,
+        EndpointNames("shop"),
+        registry,
+        Signer({}, None, allow_unsigned=True),
+        admin=lambda _servers: admin,
     )
     return transport, list(handlers.consumers)
 

@@ -83,6 +83,7 @@ from outbox_kit.operations.rows import (
 )
 from outbox_kit.persistence.tables import DEFAULT_SOURCE
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
+from outbox_kit.runtime.heap import freeze_start_up_heap
 from outbox_kit.runtime.http import (
     KEY_PATTERN,
     Bearer,
@@ -102,9 +103,10 @@ log = logging.getLogger(__name__)
 
 # After the deadline: time for the event loop to unwind and the interpreter to exit normally.
 FORCED_EXIT_GRACE_SECONDS = 2.0
-# Set on an app's state by the process's own server (``server.serve_app``), so its lifespan asks
-# for the forced exit; an app served in a test never has it.
-FORCE_EXIT_STATE = "force_exit_after_the_stop_deadline"
+# Set on an app's state by the process's own server (``server.serve_app``), so its lifespan
+# freezes the start-up heap (``runtime.heap``) and asks for the forced exit after the stop
+# deadline; an app served in a test never has it.
+OWN_PROCESS_STATE = "served_by_a_process_of_its_own"
 
 
 def startup_diagnostics(container: OutboxContainer) -> None:
@@ -190,11 +192,13 @@ def lifespan(
         worker = container.worker() if with_worker else None
         if worker is not None:
             await worker.start()
+        own_process = bool(getattr(app.state, OWN_PROCESS_STATE, False))
+        if own_process:
+            freeze_start_up_heap()
         try:
             yield
         finally:
-            force_exit = bool(getattr(app.state, FORCE_EXIT_STATE, False))
-            await stop_within_deadline(container, worker, force_exit=force_exit)
+            await stop_within_deadline(container, worker, force_exit=own_process)
 
     return run
 

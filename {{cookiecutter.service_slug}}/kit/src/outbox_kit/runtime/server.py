@@ -33,12 +33,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from outbox_kit.application.text import mask_credentials
 from outbox_kit.runtime.app import (
-    FORCE_EXIT_STATE,
+    OWN_PROCESS_STATE,
     create_app,
     create_worker_app,
     startup_diagnostics,
     stop_within_deadline,
 )
+from outbox_kit.runtime.heap import freeze_start_up_heap
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -156,6 +157,7 @@ async def run_worker(container: OutboxContainer) -> None:
     await bus.start()
     worker = container.worker()
     await worker.start()
+    freeze_start_up_heap()
     await stop.wait()
     await stop_within_deadline(container, worker, force_exit=True)
 
@@ -175,7 +177,7 @@ async def serve_app(app: FastAPI, listening: socket.socket, settings: ServiceSet
     cancelled (their transactions roll back), so one stuck on a lock or a silent dependency
     cannot hold the process; then the lifespan stops the rest within its own deadline."""
     server = uvicorn.Server(server_config(app, settings.api, settings.logging.level))
-    setattr(app.state, FORCE_EXIT_STATE, True)  # a process of its own: see ``app``
+    setattr(app.state, OWN_PROCESS_STATE, True)  # a process of its own: see ``app``
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then re-raises the signal to whatever
     # handler was installed before it: make that a no-op, so a graceful stop exits with 0.
     for sig in (signal.SIGTERM, signal.SIGINT):

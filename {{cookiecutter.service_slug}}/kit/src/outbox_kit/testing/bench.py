@@ -99,6 +99,7 @@ from outbox_kit.persistence.tables import (
 )
 from outbox_kit.runtime import cli
 from outbox_kit.runtime.container import OutboxContainer, build_transport
+from outbox_kit.runtime.heap import freeze_start_up_heap
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import service_container
 from outbox_kit.transports.base import (
@@ -762,6 +763,7 @@ async def steady_latency(base: Target, *, in_process: bool, per_second: int, sec
             await relays[0].send("go")
         await asyncio.sleep(1.0)  # the first (empty) claim and the LISTEN connection
         units = container.units_of_work()
+        freeze_start_up_heap()  # the writer stands for the API process, frozen once started
         started = time.monotonic()
         with use_context(BENCH_CONTEXT):
             for number in range(count):
@@ -1128,6 +1130,7 @@ async def consumer(settings: ServiceSettings, event: str, expect: int) -> None:
     bus = container.bus()
     await bus.start()
     await bus.start_consuming()
+    freeze_start_up_heap()  # as ``outbox worker`` does once started
     try:
         await ready_until_stopped(lambda: len(tally.seen))
     finally:
@@ -1159,6 +1162,7 @@ async def worker(settings: ServiceSettings) -> None:
     started = time.monotonic()
     running = container.worker()
     await running.start()
+    freeze_start_up_heap()  # as ``outbox worker`` does once started
     try:
         await until_stopped(commands, lambda: counted["statements"])
     finally:
