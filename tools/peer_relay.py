@@ -17,7 +17,7 @@ PostgreSQL and RabbitMQ on loopback::
 
     make bake
     cd build/bake/order-service && make install
-    uv pip install --python .venv/bin/python 'txoutbox[postgres]==0.2.2'
+    ../../../.venv/bin/uv pip install --python .venv/bin/python 'txoutbox[postgres]==0.2.2'
     OUTBOX_KIT_TEST_CONTAINER=order_service.container:build_container \\
         .venv/bin/python ../../../tools/peer_relay.py --messages 10000 --rounds 3
 """
