@@ -87,10 +87,24 @@ def test_the_kits_own_suite_passes_without_a_service(kit_env: tuple[Path, Path],
     through: CI fails instead of skipping). In ``SHARDS`` parts (``KIT_SHARD``), which the
     template's workers run side by side."""
     _, bin_folder = kit_env
+    run_the_suite(bin_folder, "not unit", {"TANSU_BIN": tansu_binary(), "KIT_SHARD": f"{number}/{SHARDS}"})
+
+
+def test_the_kits_unit_tier_passes(kit_env: tuple[Path, Path]) -> None:
+    """The kit's unit tier (``-m unit``: fakes and in-memory SQLite, no service): `make
+    test-fast`'s share of the kit's suite, about 15 s; the parts above run the rest."""
+    _, bin_folder = kit_env
+    run_the_suite(bin_folder, "unit", {})
+
+
+def run_the_suite(bin_folder: Path, markers: str, env: dict[str, str]) -> None:
+    """``tests/kit/`` with ``-m markers`` in the kit's environment: every selected test passes or
+    is skipped (for a service that does not answer, where ``REQUIRE_SERVICES`` allows it)."""
+    pytest = [str(bin_folder / "python"), "-m", "pytest", "-c", str(SUITE / "pytest.ini")]
     ran = check(
-        [str(bin_folder / "python"), "-m", "pytest", "-c", str(SUITE / "pytest.ini"), str(SUITE)],
+        [*pytest, "-m", markers, str(SUITE)],
         SUITE,
-        env={"TANSU_BIN": tansu_binary(), "KIT_SHARD": f"{number}/{SHARDS}"},
+        env=env,
         timeout=1500,
     )
     print(ran.stdout[-2500:])  # what ran, what was skipped and why, the slowest
