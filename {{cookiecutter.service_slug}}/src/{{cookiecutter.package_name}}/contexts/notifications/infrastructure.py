@@ -1,29 +1,12 @@
-"""The notifications table and its adapter."""
+"""The adapter of the notifications context (only the container wires it)."""
 
 from __future__ import annotations
 
-import uuid
-from datetime import datetime
-
-import sqlalchemy as sa
 from outbox_kit.public import AdapterScope, current_context
-from sqlmodel import Field, SQLModel, col, select
+from sqlmodel import col, select
 
 from .ports import Notification
-
-
-class NotificationRow(SQLModel, table=True):
-    __tablename__ = "notifications"
-    __table_args__ = (sa.Index("ix_notifications_tenant_order", "tenant_id", "order_id"),)
-
-    id: uuid.UUID = Field(default_factory=uuid.uuid4, primary_key=True)
-    tenant_id: str | None = Field(default=None, max_length=64)
-    order_id: str = Field(max_length=64)
-    event_name: str = Field(max_length=200)
-    message_id: str = Field(max_length=128)
-    user_id: str | None = Field(default=None, max_length=128)
-    correlation_id: str | None = Field(default=None, max_length=64)
-    created_on: datetime
+from .tables import NotificationRow
 
 
 class SqlNotifications:

@@ -22,6 +22,6 @@ def module() -> Module:
         messages=contracts.MESSAGES,
         register_handlers=register_handlers,
         routers=(router,),
-        table_modules=(f"{__package__}.infrastructure",),
+        table_modules=(f"{__package__}.tables",),
         adapters={Notifications: SqlNotifications},
     )
