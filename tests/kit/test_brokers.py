@@ -32,8 +32,8 @@ from outbox_kit.application.messages import (
     IntegrationEvent,
     MessageRegistry,
 )
-from outbox_kit.application.observability import OpenTelemetryTracing, Tracing
 from outbox_kit.application.text import as_str
+from outbox_kit.application.tracing import OpenTelemetryTracing, Tracing
 from outbox_kit.consume.inbox import current_delivery
 from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWork,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from outbox_kit.application.context import current_context
-from outbox_kit.application.observability import ContextFilter
+from outbox_kit.application.logs import ContextFilter
 from outbox_kit.testing.fixtures import acting_as
 from test_brokers import TRANSPORTS, Start, effects_become, publish_through_outbox
 from test_brokers import start as start  # the fixture  # noqa: PLC0414

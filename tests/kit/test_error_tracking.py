@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from cryptography.hazmat.primitives.asymmetric import rsa
 from fastapi import APIRouter, Depends
 from outbox_kit.application.context import RequestContext
-from outbox_kit.application.observability import configure_error_tracking
+from outbox_kit.application.error_tracking import configure_error_tracking
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import authenticated
 from outbox_kit.runtime.settings import secret_values

@@ -3,12 +3,7 @@
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from outbox_kit.application.observability import (
-    NoTracing,
-    OpenTelemetryTracing,
-    SpanKind,
-    otlp_processor,
-)
+from outbox_kit.application.tracing import NoTracing, OpenTelemetryTracing, SpanKind, otlp_processor
 from outbox_kit.runtime.container import build_tracing
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.transports.envelope import LIMITS

@@ -21,8 +21,9 @@ from opentelemetry.trace import SpanKind, StatusCode
 from outbox_kit.application.context import (
     current_context,
 )
-from outbox_kit.application.observability import ContextFilter, JsonFormatter, OpenTelemetryTracing
-from outbox_kit.application.observability import SpanKind as KitSpanKind
+from outbox_kit.application.logs import ContextFilter, JsonFormatter
+from outbox_kit.application.tracing import OpenTelemetryTracing
+from outbox_kit.application.tracing import SpanKind as KitSpanKind
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )

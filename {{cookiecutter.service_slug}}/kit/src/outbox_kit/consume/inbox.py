@@ -90,18 +90,12 @@ from typing import Any, cast
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
+from outbox_kit.application.clock import Clock, time_limit
 from outbox_kit.application.context import current_context, restored
 from outbox_kit.application.handlers import Consumer, handler_name
 from outbox_kit.application.messages import MalformedPayloadError, MessageRegistry, UnknownMessageError
-from outbox_kit.application.observability import (
-    Clock,
-    NoTracing,
-    RelayMetrics,
-    Span,
-    SpanKind,
-    Tracing,
-    time_limit,
-)
+from outbox_kit.application.metrics import RelayMetrics
+from outbox_kit.application.tracing import NoTracing, Span, SpanKind, Tracing
 from outbox_kit.consume.batch import Batches, Submitted
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope, is_database_outage

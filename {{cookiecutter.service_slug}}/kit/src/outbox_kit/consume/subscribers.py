@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from outbox_kit.application.handlers import Consumer
-from outbox_kit.application.observability import RelayMetrics
+from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
 from outbox_kit.transports.base import BrokerDelivery, DeliveryHandler, FastStreamTransport

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import sqlalchemy as sa
 
-from outbox_kit.application.observability import Clock
+from outbox_kit.application.clock import Clock
 from outbox_kit.operations.rows import (
     EVERY_TENANT,
     MAX_OFFSET,

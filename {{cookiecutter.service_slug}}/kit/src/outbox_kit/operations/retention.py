@@ -22,7 +22,8 @@ from typing import Self
 
 import sqlalchemy as sa
 
-from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.application.clock import Clock
+from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE, POLLED_TABLES
 from outbox_kit.processor.settings import InboxSettings, OutboxSettings

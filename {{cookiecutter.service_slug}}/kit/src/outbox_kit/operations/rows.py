@@ -26,7 +26,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
-from outbox_kit.application.observability import Clock
+from outbox_kit.application.clock import Clock
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import (
     DEFAULT_SOURCE,

@@ -82,10 +82,10 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError
 from sqlmodel.ext.asyncio.session import AsyncSession
 
+from outbox_kit.application.clock import Clock
 from outbox_kit.application.context import CapturedContext, capture_context
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import IntegrationEvent, InternalCommand, MessageRegistry
-from outbox_kit.application.observability import Clock
 from outbox_kit.application.unit_of_work import Adapter
 from outbox_kit.domain import AggregateRoot, DomainEvent, Message
 from outbox_kit.persistence import repository as savepoints

@@ -45,16 +45,9 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from outbox_kit.application.observability import (
-    AttributeValue,
-    Clock,
-    NoTracing,
-    RelayMetrics,
-    Span,
-    SpanKind,
-    Tracing,
-    time_limit,
-)
+from outbox_kit.application.clock import Clock, time_limit
+from outbox_kit.application.metrics import RelayMetrics
+from outbox_kit.application.tracing import AttributeValue, NoTracing, Span, SpanKind, Tracing
 from outbox_kit.persistence.database import Database, is_database_outage
 from outbox_kit.persistence.tables import LeaseLostError, LeaseStore, lease_until
 from outbox_kit.processor.claim import ClaimedRow, Claimer, DeliverySlot

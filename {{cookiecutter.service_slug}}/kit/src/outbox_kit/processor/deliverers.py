@@ -31,10 +31,11 @@ import logging
 import uuid
 from collections.abc import Sequence
 
+from outbox_kit.application.clock import TimeLimit, TimeLimitExceededError
 from outbox_kit.application.context import restored
 from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import MessageRegistry, Payload
-from outbox_kit.application.observability import SpanKind, TimeLimit, TimeLimitExceededError
+from outbox_kit.application.tracing import SpanKind
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import handler_scope
 from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore

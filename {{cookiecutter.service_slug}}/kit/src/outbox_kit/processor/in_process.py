@@ -57,9 +57,9 @@ from typing import TYPE_CHECKING
 
 import sqlalchemy as sa
 
+from outbox_kit.application.clock import Clock, TimeLimit, time_limit
 from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import IntegrationEvent
-from outbox_kit.application.observability import Clock, TimeLimit, time_limit
 from outbox_kit.domain import Message
 from outbox_kit.persistence.database import Database, handler_scope
 from outbox_kit.persistence.tables import CASCADE_DEPTH_EXCEEDED, OUTBOX_TABLE, LeaseLostError, LeaseStore
@@ -67,7 +67,7 @@ from outbox_kit.persistence.unit_of_work import Committed, SqlUnitOfWorkFactory,
 from outbox_kit.processor.cycle import CycleShutdown
 
 if TYPE_CHECKING:
-    from outbox_kit.application.observability import RelayMetrics
+    from outbox_kit.application.metrics import RelayMetrics
 
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.application.clock import Clock
+from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.application.text import describe
 from outbox_kit.persistence.database import Database, is_database_outage
 from outbox_kit.persistence.tables import PAUSED_PREFIX, LeaseStore

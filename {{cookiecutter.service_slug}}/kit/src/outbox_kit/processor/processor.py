@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol, Self
 
-from outbox_kit.application.observability import Clock, SpanKind, TimeLimit
+from outbox_kit.application.clock import Clock, TimeLimit
+from outbox_kit.application.tracing import SpanKind
 from outbox_kit.persistence.unit_of_work import WakeSignal
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.settings import OutboxSettings
@@ -106,7 +107,7 @@ class SourceSettings:
     delivery_concurrency: int
     claim_window: int
     lease_seconds: float
-    # A delivery running longer is cancelled and charged as a failure (``application.observability``).
+    # A delivery running longer is cancelled and charged as a failure (``application.clock``).
     delivery_timeout_seconds: float
     # A delivery starting with less lease left renews it first (the limit plus a margin): no
     # delivery can outlive its lease, so no replica claims a row another is still delivering.

@@ -67,8 +67,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from outbox_kit.application.context import RequestContext
 from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
-from outbox_kit.application.observability import Tracing
 from outbox_kit.application.text import mask_credentials
+from outbox_kit.application.tracing import Tracing
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.operations.admin import RelayAdministration
 from outbox_kit.operations.rows import (

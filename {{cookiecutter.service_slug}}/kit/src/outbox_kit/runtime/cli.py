@@ -470,11 +470,11 @@ def login_name() -> str:
 
 
 def configure_error_tracking(settings: ServiceSettings) -> None:
-    from outbox_kit.application import observability
+    from outbox_kit.application import error_tracking
     from outbox_kit.runtime.settings import secret_values
 
     sentry = settings.sentry
-    observability.configure_error_tracking(
+    error_tracking.configure_error_tracking(
         dsn=sentry.dsn.get_secret_value(),
         environment=sentry.environment or settings.environment.value,
         release=sentry.release,
@@ -484,7 +484,7 @@ def configure_error_tracking(settings: ServiceSettings) -> None:
 
 
 def configure_logging(settings: LoggingSettings) -> None:
-    from outbox_kit.application.observability import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
+    from outbox_kit.application.logs import TEXT_FORMAT, ContextFilter, JsonFormatter, TextFormatter
     from outbox_kit.application.text import CredentialMaskingFilter
 
     handler = logging.StreamHandler(sys.stderr)

@@ -22,16 +22,11 @@ from dependency_injector import containers, providers
 from prometheus_fastapi_instrumentator import Instrumentator
 from prometheus_fastapi_instrumentator import metrics as http_metrics
 
+from outbox_kit.application.clock import Clock, system_clock
 from outbox_kit.application.handlers import HandlerRegistry, Module, collect_adapters
 from outbox_kit.application.messages import MessageRegistry
-from outbox_kit.application.observability import (
-    Clock,
-    NoTracing,
-    OpenTelemetryTracing,
-    RelayMetrics,
-    Tracing,
-    system_clock,
-)
+from outbox_kit.application.metrics import RelayMetrics
+from outbox_kit.application.tracing import NoTracing, OpenTelemetryTracing, Tracing
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.consume.subscribers import ConsumeWrapper
 from outbox_kit.operations.admin import RelayAdministration

@@ -89,6 +89,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from outbox_kit.application.clock import Clock
 from outbox_kit.application.context import (
     MAX_ROLES_BYTES,
     MAX_TENANT_BYTES,
@@ -106,8 +107,9 @@ from outbox_kit.application.context import (
     validate_correlation_id,
     validate_traceparent,
 )
-from outbox_kit.application.observability import Clock, NoTracing, Tracing, tag_error_reports
+from outbox_kit.application.error_tracking import tag_error_reports
 from outbox_kit.application.text import ECHO_LIMIT, is_plain_identifier, is_storable, shorten
+from outbox_kit.application.tracing import NoTracing, Tracing
 from outbox_kit.application.unit_of_work import UnitOfWorkFactory
 from outbox_kit.domain import ConcurrencyError, DomainError, NotFoundError
 from outbox_kit.persistence.database import is_database_outage, is_database_timeout, is_transient

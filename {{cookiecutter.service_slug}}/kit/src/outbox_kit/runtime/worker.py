@@ -16,7 +16,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from outbox_kit.application.observability import Clock, RelayMetrics
+from outbox_kit.application.clock import Clock
+from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.operations.retention import RetentionCleaner
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.unit_of_work import WakeSignal

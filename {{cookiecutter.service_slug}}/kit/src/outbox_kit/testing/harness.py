@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlmodel.ext.asyncio.session import AsyncSession
 
+from outbox_kit.application.clock import TimeLimit
 from outbox_kit.application.context import (
     current_context,
 )
@@ -29,7 +30,7 @@ from outbox_kit.application.messages import (
     IntegrationEvent,
     InternalCommand,
 )
-from outbox_kit.application.observability import SpanKind, TimeLimit
+from outbox_kit.application.tracing import SpanKind
 from outbox_kit.domain import (
     AggregateRoot,
     DomainEvent,

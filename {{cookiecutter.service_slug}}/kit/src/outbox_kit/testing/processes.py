@@ -68,6 +68,7 @@ from typing import Any
 import sqlalchemy as sa
 from dependency_injector import providers
 
+from outbox_kit.application.clock import TimeLimit, system_clock
 from outbox_kit.application.context import (
     CapturedContext,
     RequestContext,
@@ -75,11 +76,7 @@ from outbox_kit.application.context import (
     use_context,
 )
 from outbox_kit.application.handlers import Consumer
-from outbox_kit.application.observability import (
-    SpanKind,
-    TimeLimit,
-    system_clock,
-)
+from outbox_kit.application.tracing import SpanKind
 from outbox_kit.application.unit_of_work import UnitOfWork
 from outbox_kit.consume.inbox import ConsumeOutcome, ConsumePipeline
 from outbox_kit.persistence.tables import (

@@ -111,14 +111,12 @@ from hypothesis.stateful import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from outbox_kit.application.clock import TimeLimit
 from outbox_kit.application.handlers import Consumer, Handler
 from outbox_kit.application.messages import (
     IntegrationEvent,
 )
-from outbox_kit.application.observability import (
-    SpanKind,
-    TimeLimit,
-)
+from outbox_kit.application.tracing import SpanKind
 from outbox_kit.application.unit_of_work import (
     UnitOfWork,
 )

@@ -39,9 +39,9 @@ from datetime import datetime, timedelta
 from enum import Enum
 from typing import Protocol
 
+from outbox_kit.application.clock import Clock
 from outbox_kit.application.context import capture_context
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
-from outbox_kit.application.observability import Clock
 from outbox_kit.domain import utc_now
 from outbox_kit.transports.envelope import Envelope, body_of
 
