@@ -31,10 +31,10 @@ from outbox_kit.domain import (
     Message,
     applies,
 )
-from outbox_kit.persistence.database import HandlerMustNotSaveError
 from outbox_kit.persistence.repository import (
     Repository,
 )
+from outbox_kit.persistence.save_guard import HandlerMustNotSaveError
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,

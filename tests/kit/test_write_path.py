@@ -25,8 +25,8 @@ from outbox_kit.domain import (
 from outbox_kit.persistence.database import (
     Database,
     DatabaseSettings,
-    HandlerMustNotSaveError,
 )
+from outbox_kit.persistence.save_guard import HandlerMustNotSaveError
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,

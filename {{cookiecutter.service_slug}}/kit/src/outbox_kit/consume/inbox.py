@@ -98,7 +98,8 @@ from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.application.tracing import NoTracing, Span, SpanKind, Tracing
 from outbox_kit.consume.batch import Batches, Submitted
 from outbox_kit.domain import Message
-from outbox_kit.persistence.database import handler_scope, is_database_outage
+from outbox_kit.persistence.database import is_database_outage
+from outbox_kit.persistence.save_guard import handler_scope
 from outbox_kit.persistence.tables import INBOX_TABLE, upsert
 from outbox_kit.persistence.unit_of_work import SharedTransaction, SqlUnitOfWork, SqlUnitOfWorkFactory, Staged
 from outbox_kit.transports.envelope import (

@@ -1,35 +1,16 @@
-"""The database: the engine, the guard that refuses a commit inside a handler, and how a failure
-is told apart (transient, outage, timeout).
+"""The database: its settings, the async engine and session factory, and how a failure is told
+apart (transient, outage, timeout).
+
+The async engine and session factory for SQLite (aiosqlite) and PostgreSQL (asyncpg). SQLite runs
+in WAL mode with a busy timeout, so the API and the worker (one process or two) can share the
+embedded file; PostgreSQL gets a normal pool. One ``AsyncSession`` serves one unit of work or one
+consumed message and is never shared between tasks. Every session and engine is guarded against a
+commit inside a handler (``persistence.save_guard``).
 
 A transient database error (deadlock, serialization failure, a busy SQLite) re-runs the whole
-operation: a second attempt may not meet the same conflict. Outages are told apart in
-the outage checks below.
-
-An outage (the database unreachable, the connection gone) says nothing about the data: it is
-never charged to a message, and the operation succeeds once the database is back.
-
-The runtime half of handlers do not save: while a handler runs, its name is in a context
-variable, and a COMMIT on any session or connection of the service's engines is refused before
-it reaches the database, naming the handler.
-
-The run-time half of "handlers do not save".
-
-While a handler runs, :func:`handler_scope` names it in a context variable. Every session the
-service creates is a :class:`GuardedSession`: its ``before_commit`` hook refuses to commit while
-a handler is named, so a handler cannot save by committing the unit of work, a second unit of
-work, or the session underneath (the static rule in ``tests/architecture`` proves the same
-before the code runs). The owner of the transaction commits after the handler returned.
-
-Below the ORM, :func:`guard_engine` hooks every connection of the service's engines: a Core
-transaction committed inside a handler (``engine.begin()``, ``connection.commit()``) is refused
-the same way, before the database sees the COMMIT. What stays out of reach: an engine or a
-driver connection the handler creates itself, and writes outside the database (HTTP, files).
-
-The async engine and session factory for SQLite (aiosqlite) and PostgreSQL (asyncpg).
-
-SQLite runs in WAL mode with a busy timeout, so the API and the worker (one process or two) can
-share the embedded file; PostgreSQL gets a normal pool. One ``AsyncSession`` serves one unit of
-work or one consumed message and is never shared between tasks.
+operation: a second attempt may not meet the same conflict. An outage (the database unreachable,
+the connection gone) says nothing about the data: it is never charged to a message, and the
+operation succeeds once the database is back.
 
 Every wait on the database is bounded, so a lock held elsewhere or a line gone silent ends in an
 error, never in a hang: PostgreSQL cancels a statement past ``statement_timeout`` (lock waits
@@ -41,23 +22,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from contextvars import ContextVar
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, cast
 
 from pydantic import BaseModel, Field
 from sqlalchemy import event, text
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.engine.default import DefaultDialect
 from sqlalchemy.exc import DBAPIError, DisconnectionError
 from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, async_sessionmaker, create_async_engine
-from sqlalchemy.orm import Session
 from sqlalchemy.pool import QueuePool
-from sqlmodel import Session as SQLModelSession
 from sqlmodel.ext.asyncio.session import AsyncSession
+
+from outbox_kit.persistence.save_guard import GuardedSession, guard_engine
 
 # -- settings ----------------------------------------------------------------------------------------
 # Where the outbox, inbox and business tables live: SQLite (aiosqlite) or PostgreSQL (asyncpg),
@@ -180,63 +160,6 @@ def is_database_timeout(error: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
-
-
-_running_handler: ContextVar[str | None] = ContextVar("running_handler", default=None)
-
-
-class HandlerMustNotSaveError(RuntimeError):
-    """A handler tried to commit while the unit of work was dispatching to it."""
-
-    def __init__(self, handler: str) -> None:
-        super().__init__(
-            f"handler {handler} tried to commit a unit of work while it was being dispatched. "
-            "Handlers mutate state, raise events or enqueue work; the unit of work that "
-            "dispatched them saves it together with the delivery record. Move an independent "
-            "write to an internal command (uow.schedule) instead."
-        )
-        self.handler = handler
-
-
-@contextmanager
-def handler_scope(name: str) -> Iterator[None]:
-    """Mark the block as running handler ``name``: any commit inside it is refused."""
-    token = _running_handler.set(name)
-    try:
-        yield
-    finally:
-        _running_handler.reset(token)
-
-
-def running_handler() -> str | None:
-    return _running_handler.get()
-
-
-def refuse_commit_in_handler() -> None:
-    handler = running_handler()
-    if handler is not None:
-        raise HandlerMustNotSaveError(handler)
-
-
-class GuardedSession(SQLModelSession):
-    """The synchronous session under every AsyncSession of the service (SQLModel's, guarded)."""
-
-
-@event.listens_for(GuardedSession, "before_commit")
-def _before_commit(session: Session) -> None:
-    # SQLAlchemy fires before_commit for a savepoint release too; a savepoint commits nothing
-    # (the owner's transaction still decides), so a handler may use one.
-    if session.in_nested_transaction():
-        return
-    refuse_commit_in_handler()
-
-
-def guard_engine(engine: Engine) -> None:
-    """Refuse a COMMIT on any connection of ``engine`` while a handler runs (Core writes)."""
-
-    @event.listens_for(engine, "commit")
-    def _before_connection_commit(_connection: Connection) -> None:
-        refuse_commit_in_handler()
 
 
 log = logging.getLogger(__name__)

@@ -89,8 +89,9 @@ from outbox_kit.application.messages import IntegrationEvent, InternalCommand, M
 from outbox_kit.application.unit_of_work import Adapter
 from outbox_kit.domain import AggregateRoot, DomainEvent, Message
 from outbox_kit.persistence import repository as savepoints
-from outbox_kit.persistence.database import Database, is_transient, refuse_commit_in_handler
+from outbox_kit.persistence.database import Database, is_transient
 from outbox_kit.persistence.repository import Repository
+from outbox_kit.persistence.save_guard import refuse_commit_in_handler
 from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     DOMAIN,

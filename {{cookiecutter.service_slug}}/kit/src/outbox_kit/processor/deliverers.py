@@ -37,7 +37,7 @@ from outbox_kit.application.handlers import HandlerRegistry, handler_name
 from outbox_kit.application.messages import MessageRegistry, Payload
 from outbox_kit.application.tracing import SpanKind
 from outbox_kit.domain import Message
-from outbox_kit.persistence.database import handler_scope
+from outbox_kit.persistence.save_guard import handler_scope
 from outbox_kit.persistence.tables import COMMAND_TABLE, DOMAIN, LeaseStore
 from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
 from outbox_kit.processor.claim import ClaimedRow
