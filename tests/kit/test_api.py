@@ -24,7 +24,8 @@ from outbox_kit.domain import (
 from outbox_kit.persistence.tables import COMMAND_TABLE
 from outbox_kit.runtime.app import create_app
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import authenticated, install_error_handlers, units_of_work
+from outbox_kit.runtime.errors import install_error_handlers
+from outbox_kit.runtime.http import authenticated, units_of_work
 from outbox_kit.testing.fixtures import (
     SERVICE_URLS,
     ContainerFactory,

@@ -5,7 +5,8 @@ from typing import Any
 
 import jwt
 import pytest
-from outbox_kit.runtime.http import InvalidTokenError, TokenService
+from outbox_kit.runtime.identity_provider import InvalidTokenError
+from outbox_kit.runtime.tokens import TokenService
 
 pytestmark = pytest.mark.unit
 SECRET = "unit-test-secret-of-at-least-32-bytes!"

@@ -26,10 +26,7 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWorkFactory,
 )
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import (
-    authenticated,
-    units_of_work,
-)
+from outbox_kit.runtime.http import authenticated, units_of_work
 from outbox_kit.testing.fixtures import live_server, token_for
 from outbox_kit.testing.harness import install_kit, record_effect
 from pydantic import BaseModel, Field

@@ -29,9 +29,10 @@ from fastapi import APIRouter, Depends
 from jwt.algorithms import ECAlgorithm, RSAAlgorithm
 from outbox_kit.application.context import RequestContext
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService, authenticated
+from outbox_kit.runtime.http import authenticated
 from outbox_kit.runtime.identity_provider import InvalidTokenError, KeysUnavailableError, ProviderKeys
 from outbox_kit.runtime.settings import AuthSettings
+from outbox_kit.runtime.tokens import ClaimNames, SharedSecretTokens, TokenService
 from outbox_kit.testing.fixtures import fresh_sqlite, live_server, make_settings
 from pydantic import ValidationError
 

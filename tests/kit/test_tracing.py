@@ -32,9 +32,7 @@ from outbox_kit.persistence.unit_of_work import (
     SqlUnitOfWorkFactory,
 )
 from outbox_kit.runtime.container import OutboxContainer
-from outbox_kit.runtime.http import (
-    units_of_work,
-)
+from outbox_kit.runtime.http import units_of_work
 from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch, live_server
 from outbox_kit.testing.harness import CounterChangedV1, install_kit
 

@@ -39,11 +39,9 @@ from outbox_kit.persistence.idempotency import IdempotencyKey, IdempotencyKeyReu
 from outbox_kit.persistence.repository import Repository
 from outbox_kit.persistence.tables import JSON_TYPE, upsert
 from outbox_kit.persistence.unit_of_work import CrossSourceError
+from outbox_kit.runtime.errors import STORABLE_TEXT, ErrorOut, error_responses
 from outbox_kit.runtime.http import (
-    STORABLE_TEXT,
-    ErrorOut,
     authenticated,
-    error_responses,
     idempotency_key,
     idempotent_response,
     require_role,

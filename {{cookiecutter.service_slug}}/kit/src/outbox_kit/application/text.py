@@ -35,6 +35,7 @@ the process's one handler."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 
@@ -138,3 +139,9 @@ class CredentialMaskingFilter(logging.Filter):
         if record.exc_text:
             record.exc_text = mask_credentials(record.exc_text)
         return True
+
+
+def short_echo(value: object) -> object:
+    """``value`` itself when its JSON form is short, else the start of that JSON form."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return value if len(text) <= ECHO_LIMIT else shorten(text)

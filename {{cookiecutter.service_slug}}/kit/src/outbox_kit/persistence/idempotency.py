@@ -19,7 +19,8 @@ A failed command records nothing (its transaction rolls back), so retrying it ru
 Keys are kept ``API__IDEMPOTENCY_KEY_RETENTION_HOURS`` (24 h by default) and then purged by the
 retention cleanup; a key reused after that is a new request.
 
-Use it from a route through :func:`run_once` (``runtime.http`` reads the header)."""
+Use it from a route through :func:`run_once` (``runtime.http`` reads the header,
+``runtime.errors`` answers its refusal)."""
 
 from __future__ import annotations
 

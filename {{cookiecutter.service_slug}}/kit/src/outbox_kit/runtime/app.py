@@ -16,7 +16,7 @@ only proves the event loop answers.
 A partial outage stays partial. Readiness is decided by the default source's database and the
 bus: a context in a source of its own that is down is reported (``database:<source>``, status
 ``degraded``) but does not take every replica out of the load balancer (that context's routes
-answer 503 naming it, see ``outbox_kit.runtime.http``). ``/readyz?source=<name>`` decides by
+answer 503 naming it, see ``outbox_kit.runtime.errors``). ``/readyz?source=<name>`` decides by
 that source's database and the bus instead, ``/readyz?source=all`` by every source: the probes
 for a monitor or for a load balancer in front of one context's routes.
 
@@ -83,15 +83,13 @@ from outbox_kit.operations.rows import (
 )
 from outbox_kit.persistence.tables import DEFAULT_SOURCE
 from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
+from outbox_kit.runtime.edge import RequestEdgeMiddleware
+from outbox_kit.runtime.errors import ContextOfRoute, error_responses, install_error_handlers
 from outbox_kit.runtime.heap import freeze_start_up_heap
 from outbox_kit.runtime.http import (
     KEY_PATTERN,
     Bearer,
-    ContextOfRoute,
     RequestContextMiddleware,
-    RequestEdgeMiddleware,
-    error_responses,
-    install_error_handlers,
     require_role,
     trace_requests,
 )
@@ -124,7 +122,7 @@ def create_app(container: OutboxContainer, *, with_worker: bool = False) -> Fast
         lifespan=lifespan(container, with_worker=with_worker),
         # What the edge answers for any operation: a refused header, a body too slow or too
         # large, text no database stores or a non-finite number, a database that did not answer
-        # in time (see outbox_kit.runtime.http).
+        # in time (see outbox_kit.runtime.edge and outbox_kit.runtime.errors).
         responses=error_responses(400, 408, 413, 422, 503),
     )
     app.state.container = container

@@ -402,8 +402,8 @@ def listening_socket(host: str, port: int) -> socket.socket:
 def refuse_the_published_secret_beyond_loopback(settings: ServiceSettings, host: str) -> None:
     """The default JWT secret is in the template for everyone to read: with it, anyone could
     mint an admin token, so it never serves beyond this machine (production refuses it anyway)."""
-    from outbox_kit.runtime.http import is_loopback
     from outbox_kit.runtime.settings import DEV_JWT_SECRET
+    from outbox_kit.runtime.tokens import is_loopback
 
     if settings.auth.jwt_secret.get_secret_value() == DEV_JWT_SECRET and not is_loopback(host):
         msg = (

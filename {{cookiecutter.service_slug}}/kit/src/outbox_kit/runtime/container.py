@@ -45,9 +45,9 @@ from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.processor.in_process import LocalDispatcher
 from outbox_kit.processor.processor import Deliverer, PostgresListener, SourceSettings
-from outbox_kit.runtime.http import ClaimNames, SharedSecretTokens, TokenService
 from outbox_kit.runtime.identity_provider import ProviderKeys
 from outbox_kit.runtime.settings import ServiceSettings, TracingBackend
+from outbox_kit.runtime.tokens import ClaimNames, SharedSecretTokens, TokenService
 from outbox_kit.runtime.worker import Worker
 from outbox_kit.transports.base import FastStreamTransport
 from outbox_kit.transports.bus import CircuitBreaker, DirectPublisher, MessageBus
