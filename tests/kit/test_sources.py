@@ -32,8 +32,9 @@ from outbox_kit.persistence.database import Database, DatabaseSettings
 from outbox_kit.persistence.tables import INBOX_TABLE, OUTBOX_TABLE
 from outbox_kit.persistence.unit_of_work import CrossSourceError
 from outbox_kit.runtime.app import create_app
-from outbox_kit.runtime.container import OutboxContainer, SourcesError, plan_sources
+from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.settings import ServiceSettings
+from outbox_kit.runtime.sources import SourcesError, plan_sources
 from outbox_kit.testing.fixtures import (
     CONTAINER_VARIABLE,
     SERVICE_URLS,

@@ -16,7 +16,7 @@ from logging.config import fileConfig
 # Every table the kit owns: a module left out here is a table autogenerate would drop.
 import outbox_kit.persistence.tables  # noqa: F401
 from alembic import context
-from outbox_kit.runtime.container import plan_sources
+from outbox_kit.runtime.sources import plan_sources
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine

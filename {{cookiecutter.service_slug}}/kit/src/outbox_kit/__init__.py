@@ -7,4 +7,4 @@ versions; ``CHANGELOG.md`` says what did."""
 
 from __future__ import annotations
 
-__version__ = "0.11.1"
+__version__ = "0.12.0"

@@ -264,7 +264,7 @@ def run(
 def refuse_unusable_sources(container: OutboxContainer) -> None:
     """``SOURCES__...`` that cannot be honoured (an unknown context, a schema on SQLite, two
     contexts on one storage) end the command with the reason, like any refused setting."""
-    from outbox_kit.runtime.container import SourcesError, plan_sources
+    from outbox_kit.runtime.sources import SourcesError, plan_sources
 
     try:
         plan_sources(container.settings(), container.modules())
@@ -542,7 +542,7 @@ def check(project: Path, database_url: str | None = None, *, schema: str | None 
 def migrate(project: Path, container: OutboxContainer, revision: str = "head") -> list[str]:
     """``migrate``: the service's migrations up to ``revision`` in every source, the default
     first; each source keeps its own version table. Returns the sources migrated."""
-    from outbox_kit.runtime.container import plan_sources
+    from outbox_kit.runtime.sources import plan_sources
 
     plans = plan_sources(container.settings(), container.modules())
     for plan in plans:
