@@ -1,14 +1,13 @@
-"""The kit's domain: aggregates, domain events, event names and domain errors. Standard
-library only: a context's domain layer imports this and nothing else of the kit.
+"""The kit's domain: aggregates, domain events, message names and domain errors. Standard
+library only: a context's domain layer imports this and nothing else of the kit, so every domain
+model stays plain Python.
 
-Errors the domain and the persistence layer raise in business terms.
+**Aggregates** are written event-sourcing style: state changes only by raising an event that is
+applied (``_raise`` calls the ``@applies`` method and appends the event to the pending list), so
+every change is an event and an event-store persistence can be added without rewriting them.
 
-Message names: stable and versioned (context.event-name.v1), declared on the class and stored
-instead of the Python qualname; ordering keys bounded to what the outbox stores.
-
-Messages with stable, versioned names.
-
-Every message class declares its name when it is defined::
+**Messages have stable, versioned names** (``context.event-name.v1``), declared on the class
+when it is defined::
 
     @dataclass(frozen=True, kw_only=True)
     class OrderPlaced(DomainEvent, name="orders.order-placed.v1", ordered=True):
@@ -21,13 +20,8 @@ with the same key. A key is at most ``MAX_ORDERING_KEY_LENGTH`` characters, chec
 message is made: the outbox stores it (with its kind in front) in a bounded column, and a key
 refused by the database at commit would fail the whole business transaction.
 
-Entities and event-sourcing-style aggregate roots.
-
-The kit's domain: pure standard library, so every domain model stays pure too.
-
-Aggregates are written event-sourcing style: state changes only by raising an event that is
-applied (``_raise`` calls the ``@applies`` method and appends the event to the pending list), so
-every change is an event and an event-store persistence can be added without rewriting them."""
+**Errors** the domain and the persistence layer raise in business terms (not found, a
+concurrent change, a rule broken), which the HTTP edge answers with stable codes."""
 
 from __future__ import annotations
 

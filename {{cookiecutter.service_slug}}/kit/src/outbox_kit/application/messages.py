@@ -1,16 +1,14 @@
 """Messages and their registry: what a service sends, and how a stored or received name and
 payload become a message again.
 
-Messages that leave the aggregate: integration events and internal commands.
-
-They are pydantic models because they cross a process boundary (a broker, or a row read back
-later), so their payload is validated on the way in and documented in AsyncAPI. Domain events
+**Messages that leave the aggregate**, integration events and internal commands, are pydantic
+models because they cross a process boundary (a broker, or a row read back later), so their
+payload is validated on the way in and documented in AsyncAPI. Domain events
 stay plain dataclasses in ``outbox_kit.domain`` so the domain layer imports nothing but the
 standard library.
 
-Resolve stored message names back to classes, with upcasters for old payload shapes.
-
-The registry is filled once at start-up by the composition root from every module's messages.
+**The registry** resolves stored message names back to classes, with upcasters for old payload
+shapes. It is filled once at start-up by the composition root from every module's messages.
 It refuses, at start-up rather than at delivery: two classes with one name, an upcaster whose
 source is registered twice or is still declared by a class, an upcaster chain that loops, and a
 chain that ends at a name no class declares. At delivery a name that still does not resolve

@@ -1,12 +1,6 @@
 """Text that is safe to store, log and echo: storable text, escaped controls, masked credentials.
 
-Text written where a line or a byte means something (log lines, the header values of dead-letter
-copies) is escaped: control characters (C0 with CR, LF and NUL; DEL; C1 with NEL; the Unicode
-line and paragraph separators) and lone surrogates become a visible escape, everything else (any
-language's letters) stays: one value stays one line of valid text.
-
-Text from outside (an exception's message, a broker header, a request) made safe to keep.
-
+**Text from outside** (an exception's message, a broker header, a request) made safe to keep.
 PostgreSQL refuses NUL in text, and no driver encodes a lone surrogate (how Python keeps bytes
 it could not decode): stored as it came, such a text makes the very write that records a failure
 fail, and a row whose failure cannot be recorded is retried uncharged forever. Everything the
@@ -24,14 +18,12 @@ with CR, LF and NUL; DEL; C1 with NEL; the Unicode line and paragraph separators
 surrogates become a visible ``\\n``, ``\\xNN`` or ``\\uNNNN``, and everything else, any other
 language's letters included, stays as it is: one value stays one line of valid text.
 
-Credentials never leave the process inside a URL.
-
-Every URL the service logs or shows (the development banner, readiness errors, any log line,
-a library's included) has its password masked by :func:`mask_credentials`:
-``postgresql://app:***@db/app``. The user name stays (it says which account failed); a URL
-without a password is unchanged. :class:`CredentialMaskingFilter` applies it to every record a
-handler writes, message and traceback; ``outbox_kit.runtime.cli.configure_logging`` puts it on
-the process's one handler."""
+**Credentials never leave the process inside a URL.** Every URL the service logs or shows (the
+development banner, readiness errors, any log line, a library's included) has its password
+masked by :func:`mask_credentials`: ``postgresql://app:***@db/app``. The user name stays (it
+says which account failed); a URL without a password is unchanged.
+:class:`CredentialMaskingFilter` applies it to every record a handler writes, message and
+traceback; ``outbox_kit.runtime.cli.configure_logging`` puts it on the process's one handler."""
 
 from __future__ import annotations
 

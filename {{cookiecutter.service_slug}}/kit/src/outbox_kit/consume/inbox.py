@@ -1,14 +1,12 @@
 """The inbox: decode, verify, deduplicate and handle a received message in one transaction.
 
-The delivery an integration-event handler is running for (message id, event name, consumer),
-available to the handler through current_delivery().
-
-What a consumer refuses before its handler runs: a message older than the inbox remembers
+**What a consumer refuses** before its handler runs: a message older than the inbox remembers
 (``stale``), a body that is not a readable JSON object, an event no class answers to, or an event
 the consumer does not take. Each refusal is a ``RejectedMessageError`` with its reason tag: the
 transport dead-letters the message at once and never retries it.
 
-The one consume pipeline every integration-event handler runs through.
+**The one consume pipeline** every integration-event handler runs through (the handler reads
+its message id, event name and consumer with ``current_delivery()``):
 
 verify -> restore context -> open a unit of work -> insert the inbox row ``(message_id,
 consumer)`` in it -> run the handler -> commit handler writes, inbox row and any new outbox rows

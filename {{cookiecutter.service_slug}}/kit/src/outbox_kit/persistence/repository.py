@@ -1,18 +1,17 @@
-"""Repositories: the base class a context's repository derives from, and aggregate snapshots.
+"""Repositories: the base class a context's repository derives from, and the aggregate snapshots
+a savepoint rolls back to.
 
-What a failed savepoint gives back to the unit of work.
+**A repository** loads and persists aggregates of one tenant, tracked by its unit of work. It is
+tenant-scoped: a row that belongs to another tenant is simply not found (the API answers 404,
+not 403, so it does not even confirm the row exists). It never commits; ``persist`` is called by
+the unit of work at commit, and refuses a stale version.
 
-The database rolls back to the savepoint on its own; the unit of work must do the same with what
-it holds in memory: aggregates tracked before the savepoint get back their state and pending
-events (deep copies taken on entry, the pending event objects shared, since the commit removes
-them by identity), aggregates first tracked inside it are forgotten, and integration events,
-internal commands, stamps and inbox rows collected inside it are dropped.
-
-Repositories: load and persist aggregates of one tenant, tracked by their unit of work.
-
-A repository is tenant-scoped: a row that belongs to another tenant is simply not found (the
-API answers 404, not 403, so it does not even confirm the row exists). It never commits;
-``persist`` is called by the unit of work at commit, and refuses a stale version."""
+**A failed savepoint** gives back to the unit of work what it held before. The database rolls
+back to the savepoint on its own; the unit of work must do the same with what it holds in
+memory: aggregates tracked before the savepoint get back their state and pending events (deep
+copies taken on entry, the pending event objects shared, since the commit removes them by
+identity), aggregates first tracked inside it are forgotten, and integration events, internal
+commands, stamps and inbox rows collected inside it are dropped."""
 
 from __future__ import annotations
 

@@ -1,45 +1,37 @@
-"""The kit's tables: the relay tables (outbox, internal commands), the inbox, dead-letter replays
-and idempotency keys; and the helpers a context's tables use.
+"""The kit's tables, defined once: the relay tables (outbox, internal commands), the inbox,
+dead-letter replays and idempotency keys; the token-guarded writes on the relay rows; and the
+helpers a context's tables use.
 
-The tables the outbox machinery owns: ``outbox_messages``, ``internal_commands``,
-``inbox_messages`` and ``dead_letter_replays``.
+**The relay tables.** ``outbox_messages`` and ``internal_commands`` share one column set
+(:class:`PolledColumns`), so one claim statement, one lease/backoff/dead-letter idiom and one
+administration service serve both; operators call them ``outbox`` and ``internal_commands``.
+``seq`` is a monotonic per-row sequence (an identity column on PostgreSQL, max+1 under SQLite's
+single writer): ordering keys are ordered by it, never by a timestamp that can tie. The partial
+indexes cover only pending rows (neither processed nor dead-lettered), so retained history never
+slows the claim (``processor/claim.py`` has the statement that uses them). A row leaves the
+pending pool stamped or dead-lettered (with its reason); a paused row stays pending, its
+``last_error`` marked as a pause, not a failure of its own.
 
-``outbox_messages`` and ``internal_commands`` share one column set (:class:`PolledColumns`), so
-one claim statement, one lease/backoff/dead-letter idiom and one administration service serve
-both. ``seq`` is a monotonic per-row sequence (an identity column on PostgreSQL, max+1 under
-SQLite's single writer): ordering keys are ordered by it, never by a timestamp that can tie.
+**The service's own records**: one inbox row per consumed message per consumer (its primary key
+is the deduplication guard), one row per dead-letter replay, and one row per answered
+idempotency key per tenant.
 
-The partial indexes cover only pending rows (neither processed nor dead-lettered), so retained
-history never slows the claim; see ``processor/claim.py`` for the statement that uses them.
+**Token-guarded writes on a relay row.** Every outcome is guarded on the row id and the lock
+token *only* (no ``locked_until`` term): an expired lease still lands while no other replica has
+claimed the row, and a row another replica re-claimed under a new token is never overwritten.
+The one exception is the release of a claim a stop interrupted (``release_claimed``): its ids
+are unknown, and the claim's own lease end, which nothing has moved yet, lets an index find its
+rows. ``RETURNING id`` says which rows were still ours: rowcount is not reliable across drivers
+(-1 for executemany on asyncpg and for ``WITH`` statements on SQLite). What a failure is charged
+is the retry rule's (``processor.retries``).
 
-The service's own audit, inbox and idempotency tables: one row per consumed message per consumer
-(its primary key is the deduplication guard), one row per dead-letter replay, and one row per
-answered idempotency key per tenant.
-
-The polled tables by the name operators use for them (``outbox``, ``internal_commands``).
-
-``INSERT ... ON CONFLICT`` on PostgreSQL and SQLite alike.
-
-"Create the row, or change the one that is there" and "create the row unless it is there" are
-races when written as a read followed by a write: two transactions read the same state and both
-act on it (a lost update, or a unique violation). One ``INSERT ... ON CONFLICT`` statement is
-atomic on both databases: the conflict is resolved against the row as it is when the statement
-writes, and a concurrent insert of the same key waits for the other transaction to finish.
-
-Leases on the relay rows: token-guarded outcome writes (what a failure is charged is the retry
-rule's: ``processor.retries``).
-
-Why a row left the pending pool: the dead-letter reasons and the paused marker.
-
-Token-guarded writes on a polled table (``outbox_messages`` or ``internal_commands``).
-
-Every outcome is guarded on the row id and the lock token *only* (no ``locked_until`` term): an
-expired lease still lands while no other replica has claimed the row, and a row another replica
-re-claimed under a new token is never overwritten. The one exception is the release of a claim
-a stop interrupted (``release_claimed``): its ids are unknown, and the claim's own lease end,
-which nothing has moved yet, lets an index find its rows. ``RETURNING id`` says which rows were still
-ours: rowcount is not reliable across drivers (-1 for executemany on asyncpg and for ``WITH``
-statements on SQLite)."""
+**``upsert``: ``INSERT ... ON CONFLICT`` on PostgreSQL and SQLite alike**, for a context's
+tables. "Create the row, or change the one that is there" and "create the row unless it is
+there" are races when written as a read followed by a write: two transactions read the same
+state and both act on it (a lost update, or a unique violation). One ``INSERT ... ON CONFLICT``
+statement is atomic on both databases: the conflict is resolved against the row as it is when
+the statement writes, and a concurrent insert of the same key waits for the other transaction
+to finish."""
 
 from __future__ import annotations
 

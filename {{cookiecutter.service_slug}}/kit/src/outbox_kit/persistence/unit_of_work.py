@@ -31,21 +31,17 @@ they share; it is the contexts' ``UnitOfWorkFactory`` for entry points. In-proce
 processor's, a package above) comes in as :class:`AfterCommit`: the one port here, because the
 delivery opens units of work of its own from this factory.
 
-What a commit writes to the relay tables: the staged and written rows, and the writer.
+**The rows a commit writes** to the relay tables are staged before the INSERT (with the live
+message, for in-process dispatch) and then written (with the seq the database gave them).
 
-The rows one commit writes: staged before the INSERT (with the live message, for in-process
-dispatch) and written (with the seq the database gave them).
-
-What wakes a processor early: the in-process signal and PostgreSQL NOTIFY.
-
-Committing transactions on PostgreSQL send one ``NOTIFY`` (delivered only on commit); every
+**What wakes a processor early**: the in-process signal and PostgreSQL NOTIFY. Committing
+transactions on PostgreSQL send one ``NOTIFY`` (delivered only on commit); every
 replica ``LISTEN``s on a dedicated asyncpg connection, never inside a transaction (a listener in
 an open transaction receives nothing until it ends). Notifications sent while the listener was
 disconnected are lost, so each (re)connect triggers one catch-up wake, and the fallback interval
 remains the safety net: NOTIFY is a hint, never the only path.
 
-Turn the messages a unit of work captured into rows of the same transaction.
-
+**The writer** turns the messages a unit of work captured into rows of the same transaction.
 Each row stores the message's stable name (never the Python qualname), its JSON payload, when it
 occurred, when it becomes eligible for the processor, its ordering key and the captured request
 context. Local domain-event rows that this process will dispatch right after commit are inserted

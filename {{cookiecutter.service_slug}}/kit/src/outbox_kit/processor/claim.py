@@ -1,48 +1,21 @@
-"""The claim: which rows a cycle takes, under which lease, and the rows it hands out.
+"""The claim: which rows a cycle takes, under which lease, in one statement.
 
-A row as the claim returns it: leased to this processor for one delivery attempt.
+A claimed row (:class:`ClaimedRow`) is leased to this processor for one delivery attempt. A
+delivery slot (:class:`DeliverySlot`) is one of ``delivery_concurrency`` publishes (or handler
+runs) in flight; a row gives its slot back as soon as its delivery ended, before its stamp is
+written: the stamp waits for its group (``outcomes``), and a slot held through that wait would
+idle the broker.
 
-A delivery slot: one of ``delivery_concurrency`` publishes (or handler runs) in flight.
+**One statement**: ``UPDATE ... WHERE id IN (... FOR UPDATE SKIP LOCKED) RETURNING``. A
+SELECT-then-UPDATE lets two processors read the same rows before either writes (measured: 657
+claims for 200 rows with six PostgreSQL workers without SKIP LOCKED; 60 selected for 18 unique on
+SQLite without BEGIN IMMEDIATE). Here the lease is taken by the statement that chooses the rows,
+so a race resolves per row: a row is leased to exactly one token.
 
-A row gives its slot back as soon as its delivery ended, before its stamp is written: the stamp
-waits for its group (``outcomes``), and a slot held through that wait would idle the broker.
-
-The parts the claim statement is built from (see :class:`Claimer` for why it is one statement).
-
-Every part selects *candidates*: rows that are pending (neither processed nor dead-lettered,
-written exactly as the partial-index predicates, so both planners use those indexes) and free
-and due (no live lease, ``available_on`` passed). The parts that finally lock rows do so with
-``FOR UPDATE SKIP LOCKED`` inside their CTE (PostgreSQL refuses it next to a UNION or an
-aggregate); SQLite drops it and serializes writers instead. Time is the bound ``now``.
-
-The gate between the claims of a polled table and the replays of its dead letters (PostgreSQL).
-
-Why: a replay is the one change that puts a row back *before* rows of its key that already
-left (a dead letter had released its key). The claim's key-head test runs on the snapshot its
-statement took. A claim whose snapshot was taken before a replay committed, and which commits
-after a second claim took its own snapshot, sees the key's next row as the head while the second
-claim sees the replayed row as the head and cannot yet see the first one's lease: both are
-leased, two rows of one key in flight (reproduced in ``test_claim_races``). No test inside one
-statement can close this: its snapshot predates anything it could lock.
-
-So a claim first takes this table's gate in *shared* mode, in its own transaction and before its
-statement (whose snapshot is then taken after the gate is held), and a replay takes it
-*exclusive* before it changes a row. Claims never wait for each other; a replay waits for the
-claims under way to commit (their leases are then visible to every later claim) and the claims
-that come meanwhile wait for the replay to commit (their snapshots then show the replayed row).
-Writers of new rows are not involved (their per-key lock orders ``seq``, a different key space).
-
-SQLite needs no gate: a claim there is one write transaction and writers are serialized.
-
-The claim: one atomic ``UPDATE ... WHERE id IN (... FOR UPDATE SKIP LOCKED) RETURNING``.
-
-Why one statement: a SELECT-then-UPDATE lets two processors read the same rows before either
-writes (measured: 657 claims for 200 rows with six PostgreSQL workers without SKIP LOCKED; 60
-selected for 18 unique on SQLite without BEGIN IMMEDIATE). Here the lease is taken by the same
-statement that chooses the rows, so a race resolves per row: a row is leased to exactly one
-token.
-
-The shape is a "windowed head claim" (its parts are above):
+**Its shape**, a "windowed head claim", built from parts that each select *candidates*: rows that
+are pending (neither processed nor dead-lettered, written exactly as the partial-index
+predicates, so both planners use those indexes), free and due (no live lease, ``available_on``
+passed). Time is the bound ``now``.
 
 * **keyless** rows are taken FIFO by ``seq`` and never pay for keyed backlogs;
 * **keyed** rows are claimable only when they are the *head* of their key: no earlier row with
@@ -52,9 +25,7 @@ The shape is a "windowed head claim" (its parts are above):
 * a head is not claimable while **another row of its key is in flight** (leased, lease not
   over). Only a replayed dead letter can be a head behind a row already running (the dead letter
   had released its key), and one key must never have two deliveries at once. The check probes a
-  small partial index of leased keyed rows, so it costs one index lookup per head. The check
-  reads the statement's snapshot, so on PostgreSQL a claim and a replay of the same table never
-  overlap (``replay_gate``).
+  small partial index of leased keyed rows, so it costs one index lookup per head.
 * heads are looked for in a bounded **window** of the oldest claimable keyed rows; only when the
   window yields fewer heads than the batch does a loose index scan over the distinct pending keys
   run, so a key with thousands of pending rows cannot fill the batch and starve other keys.
@@ -63,7 +34,24 @@ The shape is a "windowed head claim" (its parts are above):
 
 Order is by ``seq`` (monotonic per row), never by a timestamp that can tie. The statement is
 built once per table and reused (building it costs milliseconds). Time values come from the
-application clock as bound parameters, so SQLite and PostgreSQL behave the same."""
+application clock as bound parameters, so SQLite and PostgreSQL behave the same.
+
+**The replay gate** (PostgreSQL), between the claims of a polled table and the replays of its
+dead letters. A replay is the one change that puts a row back *before* rows of its key that
+already left (a dead letter had released its key). The claim's key-head test runs on the
+snapshot its statement took. A claim whose snapshot was taken before a replay committed, and
+which commits after a second claim took its own snapshot, sees the key's next row as the head
+while the second claim sees the replayed row as the head and cannot yet see the first one's
+lease: both are leased, two rows of one key in flight (reproduced in ``test_claim_races``). No
+test inside one statement can close this: its snapshot predates anything it could lock.
+
+So a claim first takes this table's gate in *shared* mode, in its own transaction and before its
+statement (whose snapshot is then taken after the gate is held), and a replay takes it
+*exclusive* before it changes a row. Claims never wait for each other; a replay waits for the
+claims under way to commit (their leases are then visible to every later claim) and the claims
+that come meanwhile wait for the replay to commit (their snapshots then show the replayed row).
+Writers of new rows are not involved (their per-key lock orders ``seq``, a different key space).
+SQLite needs no gate: a claim there is one write transaction and writers are serialized."""
 
 from __future__ import annotations
 

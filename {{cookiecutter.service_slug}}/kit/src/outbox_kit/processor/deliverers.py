@@ -1,7 +1,7 @@
 """The two deliverers the processor core runs: the outbox's (publish through the message bus, or
 dispatch in-process) and the internal commands' (run the command's handler).
 
-What the outbox processor does with one claimed row.
+**The outbox's deliverer**, with one claimed row:
 
 * Local domain-event rows: the row's context is restored on a fresh scope (tenant, user, roles
   with authentication type ``outbox``, correlation), the handlers run in a fresh unit of work,
@@ -17,9 +17,8 @@ What the outbox processor does with one claimed row.
   The body is the row's stored payload as canonical JSON (``transports.envelope.body_of``),
   never re-encoded through the event's current class, so every copy of one row is byte-identical.
 
-Internal commands: deferred instructions to this service itself.
-
-``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
+**The internal commands' deliverer.** An internal command is a deferred instruction to this
+service itself: ``uow.schedule(command, due_at)`` writes an ``internal_commands`` row in the caller's
 transaction, with the same context capture as an outbox row. The internal-command processor
 (the same polling core, lease, backoff and dead-letter idiom as the outbox) runs the command's
 handler in a fresh unit of work under the restored context, and stamps the row processed in

@@ -14,8 +14,10 @@ service code).
   goes through the inbox, integration events are named for good, ordered events are an
   aggregate's), built by :func:`service_fitness`; a golden list of message names is read by
   :func:`pinned_names` and checked by :func:`golden_list_problems`.
-* The static call graph the rules walk (:class:`CallGraph` over a :func:`source_index`), for
-  architecture rules of your own (where a publish or a subscribe may appear, say).
+* The static call graph the rules walk (:class:`CallGraph` over a :func:`source_index`, a
+  :class:`SourceIndex`), for architecture rules of your own (where a publish or a subscribe may
+  appear, say). Its engine's parts stay in ``outbox_kit.testing.callgraph``: only what a test
+  calls is exported here.
 
 And modules imported by name, since they need pytest or start processes: ``fixtures`` (the
 pytest plugin every suite loads with ``-p``), ``harness`` (the kit's test context), ``brokers``
@@ -24,17 +26,7 @@ a service runs on its own container), ``bench`` (the relay benchmark behind ``ma
 """
 
 from outbox_kit.persistence.tables import COMMAND_TABLE, IDEMPOTENCY_KEYS_TABLE, INBOX_TABLE, OUTBOX_TABLE
-from outbox_kit.testing.callgraph import (
-    CallGraph,
-    ClassRef,
-    FunctionSource,
-    Instance,
-    Scope,
-    SourceIndex,
-    own_nodes,
-    source_index,
-    type_name,
-)
+from outbox_kit.testing.callgraph import CallGraph, SourceIndex, source_index
 from outbox_kit.testing.fakes import InMemoryRepository, InMemoryStore, InMemoryUnitOfWork
 from outbox_kit.testing.rules import (
     DEFAULT_DEPTH,
@@ -65,25 +57,19 @@ __all__ = [
     "OUTBOX_TABLE",
     "AllowlistHit",
     "CallGraph",
-    "ClassRef",
     "FitnessRules",
-    "FunctionSource",
     "Hop",
     "InMemoryRepository",
     "InMemoryStore",
     "InMemoryUnitOfWork",
-    "Instance",
     "Report",
     "SaveRule",
-    "Scope",
     "SinkSpec",
     "SourceIndex",
     "Violation",
     "golden_list_problems",
-    "own_nodes",
     "pinned_names",
     "service_fitness",
     "service_save_rule",
     "source_index",
-    "type_name",
 ]

@@ -1,34 +1,28 @@
-"""The message bus port, what a publish ends in, the circuit breaker in front of a broker, and
-publishing without the outbox.
+"""The message bus port: what a publish of an integration event ends in, the circuit breaker in
+front of a broker, and publishing without the outbox.
 
-How a delivery ended, as the polling core sees it: delivered (stamped already, or needing the
-stamp), or paused because its downstream is known to be down. A pause is not the row's fault:
-the row is released until ``retry_at`` without being charged a retry.
+**The port** (:class:`MessageBus`). Only the outbox processor publishes integration events
+through it. A delivery ends delivered (stamped already, or needing the stamp) or paused because
+its downstream is known to be down. A pause is not the row's fault: the row is released until
+``retry_at`` without being charged a retry.
 
-A broker outage is not the message's fault. A transport raises :class:`BrokerUnavailableError`
-around its publish when it could not reach the broker; the circuit breaker answers an open
-circuit with :class:`CircuitOpenError`, a pause that releases the row uncharged.
-
-The message bus port. Only the outbox processor publishes integration events through it.
-
-A circuit breaker around the broker publish, that never charges an outage to a message.
-
-Only :class:`BrokerUnavailableError` (the transport said it could not reach the broker: a lost
-connection, a timeout, no servers) counts. Such a failure is not the message's fault, so it is
+**A broker outage is not the message's fault.** A transport raises
+:class:`BrokerUnavailableError` around its publish when it could not reach the broker (a lost
+connection, a timeout, no servers). :class:`CircuitBreaker` counts only those, so an outage is
 never recorded as one of the row's retries: the row is released until the breaker may close
 (charging outages would dead-letter healthy messages during any outage longer than the retries).
 After ``failure_threshold`` consecutive outages the circuit opens for ``reset_seconds`` and no
-publish is attempted; then one trial is let through (half-open): success closes it, an outage
-opens it again. A message-level failure (a refused message, a consumer error on the
-in-process bus) passes through unchanged and is retried and dead-lettered as usual; it also
-proves the broker is reachable, so it closes a half-open circuit. An unrouted publish (no
-consumer bound yet) is no failure at all: it is a delivery to nobody (:class:`Unrouted`).
+publish is attempted (:class:`CircuitOpenError`, a pause); then one trial is let through
+(half-open): success closes it, an outage opens it again. A message-level failure (a refused
+message, a consumer error on the in-process bus) passes through unchanged and is retried and
+dead-lettered as usual; it also proves the broker is reachable, so it closes a half-open circuit.
+An unrouted publish (no consumer bound yet) is no failure at all: it is a delivery to nobody
+(:class:`Unrouted`).
 
-Publishing integration events without the outbox (in-process transport, outbox off).
-
-A single-process host with the outbox off hands integration events straight to the bus right
-after its commit: best effort, with no row to retry from. Brokers never run this way: a broker
-transport with the outbox explicitly off is refused at start-up."""
+**Without the outbox** (in-process transport, outbox off), a single-process host hands
+integration events straight to the bus right after its commit: best effort, with no row to retry
+from. Brokers never run this way: a broker transport with the outbox explicitly off is refused at
+start-up."""
 
 from __future__ import annotations
 

@@ -1,37 +1,24 @@
-"""The envelope on the wire: header names, the envelope, its signature, reading it back, and
-why a message is rejected.
+"""The envelope on the wire: an integration event's body and its signed context headers, how they
+are signed, how a received message is read back without trusting it, and why one is rejected.
 
-Why a message is refused without being processed: short stable reason tags for metrics and dead-
-letter copies, carried by RejectedMessageError; the transport dead-letters such a message at
-once and never retries it.
+**The headers.** Every message carries ``x-message-id`` (the outbox row id: the inbox
+deduplicates on it on every transport, Kafka included), ``x-event-name``, ``x-occurred-on``,
+``x-tenant-id``, ``x-user-id``, ``x-user-roles``, ``x-correlation-id``, W3C ``traceparent`` and
+``x-context-signature``. The limits, in UTF-8 bytes, are checked before anything is restored: an
+oversized header is a rejection, not a truncation, because a truncated tenant or user is a
+different tenant or user. The identity limits are the constants the API bounds a token's claims
+with, so a caller the API accepts is never refused here.
 
-The header names every integration message carries, which of them are signed, and their limits.
+**The signature** is ``<key id>:<hex HMAC-SHA256>`` over a canonical encoding of the signed
+headers and the body, so a consumer can trust the tenant and user a message claims to run under:
+without it, anyone able to publish to the broker could act as any tenant. Keys rotate through
+``MESSAGE_BUS__SIGNING_KEYS`` (every listed key id verifies, the active one signs).
 
-Every message carries ``x-message-id`` (the outbox row id: the inbox deduplicates on it on every
-transport, Kafka included), ``x-event-name``, ``x-occurred-on``, ``x-tenant-id``, ``x-user-id``,
-``x-user-roles``, ``x-correlation-id``, W3C ``traceparent`` and ``x-context-signature``. The
-limits, in UTF-8 bytes, are checked before anything is restored: an oversized header is a
-rejection, not a truncation, because a truncated tenant or user is a different tenant or user.
-The identity limits are the constants the API bounds a token's claims with, so a caller the API
-accepts is never refused here.
-
-The wire form of an integration event and its signed context headers.
-
-The headers it travels with are named above.
-
-The signature is ``<key id>:<hex HMAC-SHA256>`` over a canonical encoding of those headers and
-the body, so a consumer can trust the tenant and user a message claims to run under: without
-it, anyone able to publish to the broker could act as any tenant. Keys rotate through
-``MESSAGE_BUS__SIGNING_KEYS`` (verify with every listed key id, sign with the active one). A
-consumer verifies *before* it restores anything; a missing, unknown or wrong signature, an
-oversized header or a malformed value is rejected with a reason and never processed.
-
-Signing the context headers: HMAC-SHA256 over a canonical encoding of the signed headers and the
-body, with keys that rotate (every listed key id verifies, the active one signs).
-
-Reading a received message's headers without trusting them: each within its limit, all within a
-total, the signature verified before anything is restored, identities without control
-characters, an aware timestamp."""
+**Reading a message back** trusts nothing: each header within its limit, all within a total, the
+signature verified *before* anything is restored, identities without control characters, an
+aware timestamp. A missing, unknown or wrong signature, an oversized header or a malformed value
+is a :class:`RejectedMessageError` with a short stable reason tag (for metrics and dead-letter
+copies): the transport dead-letters such a message at once and never retries it."""
 
 from __future__ import annotations
 

@@ -1,37 +1,26 @@
-"""NATS JetStream.
+"""NATS JetStream: one events stream, one durable pull consumer per consumer, a DLQ stream.
 
-A JetStream message being consumed: its delivery count, a delayed nack as the retry, in_progress
-as the heartbeat, and a dead-letter copy on the DLQ stream.
+**Consuming.** A JetStream message being consumed has its delivery count, a delayed nack as the
+retry, ``in_progress`` as the heartbeat, and a dead-letter copy on the DLQ stream. A failure is
+retried with ``nack(delay=...)`` (exponential from ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``,
+never longer than the last retry's delay). The wrapper counts attempts from ``num_delivered``;
+the durable consumer has no ``max_deliver``, because JetStream stops redelivering a message past
+it, unacknowledged and never dead-lettered: a message whose dead-letter copy is refused (the DLQ
+stream gone) is handed back once per delivery, for as long as the refusal lasts. Past the limit
+a redelivery runs no handler: the crash guard only tries the copy again, until the stream takes
+it. Publishes go through JetStream (``stream=``), never core NATS (a core publish to a subject
+no stream captures is silently lost), and carry ``Nats-Msg-Id`` so JetStream drops a duplicate
+publish within its dedup window.
 
-JetStream topology: the streams and durable consumers a NATS transport relies on.
+**Topology**: the streams and durable consumers the transport relies on. Declaring a stream only
+ever adds subjects. Services that share a namespace share its events stream, and during a rolling
+deploy the old and the new version both declare it: replacing the subject list with our own
+would make the other side's publishes fail until it declares again. The update keeps the
+stream's other settings (limits an operator set stay) and is re-checked, because two services
+can merge at the same moment. An existing durable consumer is brought to the consumer's
+``max_deliver`` (none) and ``ack_wait``.
 
-Declaring a stream only ever adds subjects. Services that share a namespace share its events
-stream, and during a rolling deploy the old and the new version both declare it: replacing the
-subject list with our own would make the other side's publishes fail until it declares again.
-The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
-because two services can merge at the same moment. An existing durable consumer is brought to
-the consumer's ``max_deliver`` (none) and ``ack_wait``.
-
-NATS JetStream: one events stream, one durable pull consumer per consumer, a DLQ stream.
-
-A failure is retried with ``nack(delay=...)`` (exponential from
-``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``, never longer than the last retry's delay). The
-wrapper counts attempts from ``num_delivered``; the durable consumer has no ``max_deliver``,
-because JetStream stops redelivering a message past it, unacknowledged and never dead-lettered:
-a message whose dead-letter copy is refused (the DLQ stream gone) is handed back once per
-delivery, for as long as the refusal lasts. Past the limit a redelivery runs no handler: the
-crash guard only tries the copy again, until the stream takes it. Publishes go through
-JetStream (``stream=``), never core NATS (a core publish to a subject no stream captures is
-silently lost), and carry
-``Nats-Msg-Id`` so JetStream drops a duplicate publish within its dedup window.
-
-Declaring a stream only ever adds subjects. Services that share a namespace share its events
-stream, and during a rolling deploy the old and the new version both declare it: replacing the
-subject list with our own would make the other side's publishes fail until it declares again.
-The update keeps the stream's other settings (limits an operator set stay) and is re-checked,
-because two services can merge at the same moment.
-
-Readiness (``ping``) asks the server itself: a JetStream account-info request, answered by the
+**Readiness** (``ping``) asks the server itself: a JetStream account-info request, answered by the
 JetStream the transport relies on. FastStream's ``ping`` reads the client's ``is_connected``
 flag, which stays set on a line gone silent. Not ``flush()`` (PING/PONG) either: a flush that
 times out cancels its future, and the late PONG, once the line flows again, then kills the
