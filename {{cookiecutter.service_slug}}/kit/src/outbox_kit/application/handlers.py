@@ -1,11 +1,11 @@
 """Handlers, the registry that routes messages to them, and the modules that register them.
 
-What a handler is: a callable of the message and the unit of work it must not commit; and a
+**A handler** is a callable of the message and the unit of work it must not commit; and a
 consumer: an integration-event handler with the durable name its inbox rows and queues use,
 and handler_name, the readable dotted name of any handler for logs and errors.
 
-Where handlers are registered: the single source the dispatcher, the processors, the
-consumers and the architecture tests all read.
+**The registry** is where handlers are registered: the single source the dispatcher, the
+processors, the consumers and the architecture tests all read.
 
 A handler receives the message and the unit of work that owns the current transaction. It may
 load and mutate aggregates, raise events, enqueue integration events and schedule internal

@@ -1,9 +1,8 @@
 """The wrapper around every subscriber: attempts, failures, and holding on through a database
 outage.
 
-Keeping a message while its handler works, and through a database outage.
-
-While a handler runs, ``keep_alive`` touches the message so the broker does not hand it to
+**Keeping a message** while its handler works, and through a database outage. While a handler
+runs, ``keep_alive`` touches the message so the broker does not hand it to
 another consumer (NATS ``in_progress``, Redis ``XCLAIM JUSTID``). A database outage says nothing
 about the message: charging it an attempt would dead-letter every message in flight during a
 failover, so it is held and run again, uncharged, with a capped backoff for up to

@@ -1,19 +1,17 @@
 """The rows an operator sees and touches: what a request may ask for and whose rows it sees
 (``TenantScope``), what it is answered with (never a payload), and explaining and replaying rows.
 
-Why one row is or is not moving: processed, unrouted (published with no subscriber bound),
-dead-lettered, blocked behind a row of its key
-(an earlier one, or a later one still in flight ahead of a replayed head), leased, paused,
-backing off, delayed, or eligible now.
+**Explain**: why one row is or is not moving: processed, unrouted (published with no subscriber
+bound), dead-lettered, blocked behind a row of its key (an earlier one, or a later one still in
+flight ahead of a replayed head), leased, paused, backing off, delayed, or eligible now.
 
-Replay: dead letters back to the pending pool, all or nothing.
-
-A replayed row gets ``retry_count = 0`` and its lease cleared; it keeps ``last_error`` (the first
-thing anyone asks after a replay) and ``occurred_on`` and ``seq`` (its place in its ordering
-key). One unknown id, or one that is not a dead letter, refuses the whole request. The caller
-records who replayed what, in the same transaction. On PostgreSQL a replay and the claims of its
-table never overlap (``processor.claim``): a replayed head is then never claimed beside a
-later row of its key that a claim under way took."""
+**Replay**: dead letters back to the pending pool, all or nothing. A replayed row gets
+``retry_count = 0`` and its lease cleared; it keeps ``last_error`` (the first thing anyone asks
+after a replay) and ``occurred_on`` and ``seq`` (its place in its ordering key). One unknown id,
+or one that is not a dead letter, refuses the whole request. The caller records who replayed
+what, in the same transaction. On PostgreSQL a replay and the claims of its table never overlap
+(``processor.claim``): a replayed head is then never claimed beside a later row of its key that
+a claim under way took."""
 
 from __future__ import annotations
 

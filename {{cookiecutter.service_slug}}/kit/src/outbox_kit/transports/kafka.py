@@ -1,10 +1,11 @@
-"""Kafka.
+"""Kafka (any Kafka-protocol broker): one topic per event, one consumer group per consumer, retry
+and dead-letter topics.
 
-Kafka topics this service publishes to and consumes from, created at start-up where missing
+**Topics** this service publishes to and consumes from are created at start-up where missing
 (never altered); a refusal is one clear error.
 
-A Kafka record being consumed: its attempt count, its retry (a copy on the retry topic, due at
-x-not-before) and its dead-letter copy.
+**A record being consumed** has its attempt count, its retry (a copy on the retry topic, due at
+``x-not-before``) and its dead-letter copy.
 
 Both copies are sized against the producer's ``max_request_size`` (the whole serialized record,
 headers included) before they are published: a refused copy used to seek the consumer back to
@@ -49,7 +50,8 @@ its consumer group has assigned it partitions, and a broker holds a group's join
 (two subscribers each) waited 2n join rounds before it consumed anything.
 
 Tested against a Kafka-protocol broker (the generated suite's ``kafka`` marker) and with
-FastStream's TestKafkaBroker and a fake admin client (the template's tests/kit/test_test_brokers.py)."""
+FastStream's TestKafkaBroker and a fake admin client (the template's
+tests/kit/test_test_brokers.py)."""
 
 from __future__ import annotations
 

@@ -1,22 +1,20 @@
-"""RabbitMQ.
+"""RabbitMQ: a topic exchange per namespace, a quorum queue per consumer, a TTL retry queue.
 
-A RabbitMQ message being consumed: the attempt read from x-death and x-delivery-count, the retry
-through the TTL queue, and the dead-letter copy.
+A message being consumed carries its attempt (read from ``x-death`` and ``x-delivery-count``),
+is retried through the TTL queue, and ends, past its attempts, as a dead-letter copy.
 
-RabbitMQ: a topic exchange per namespace, a quorum queue per consumer, a TTL retry queue.
-
-Topology per consumer (declared at start-up): the main
-quorum queue dead-letters rejected messages into ``<queue>.retry``, whose TTL
-(``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``) dead-letters them back to the main queue; final
-failures go to ``<queue>.dlq``. The attempt number is read from ``x-death`` (plus
-``x-delivery-count``, which a quorum queue adds after a crash). Publishes are persistent,
-confirmed and mandatory on a channel that raises on return. A publish no consumer queue is bound
-for comes back ``NO_ROUTE``: it is no failure but a delivery to nobody (an event published before
-its first consumer exists), so a copy is kept in ``<namespace>.unrouted`` for an operator to read
-or shovel, and the publish answers :class:`~outbox_kit.transports.bus.Unrouted`. Detecting it by
-the return, rather than by an alternate exchange on ``<namespace>.events``, keeps the exchange's
-arguments as every deployed service declared them (RabbitMQ refuses a redeclaration with other
-arguments) and tells the outbox which rows went nowhere.
+**Topology** per consumer (declared at start-up): the main quorum queue dead-letters rejected
+messages into ``<queue>.retry``, whose TTL (``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``)
+dead-letters them back to the main queue; final failures go to ``<queue>.dlq``. The attempt
+number is read from ``x-death`` (plus ``x-delivery-count``, which a quorum queue adds after a
+crash). Publishes are persistent, confirmed and mandatory on a channel that raises on return. A
+publish no consumer queue is bound for comes back ``NO_ROUTE``: it is no failure but a delivery
+to nobody (an event published before its first consumer exists), so a copy is kept in
+``<namespace>.unrouted`` for an operator to read or shovel, and the publish answers
+:class:`~outbox_kit.transports.bus.Unrouted`. Detecting it by the return, rather than by an
+alternate exchange on ``<namespace>.events``, keeps the exchange's arguments as every deployed
+service declared them (RabbitMQ refuses a redeclaration with other arguments) and tells the
+outbox which rows went nowhere.
 
 RabbitMQ refuses to redeclare a queue with other arguments (``PRECONDITION_FAILED``), and the
 retry queue's TTL is a setting: changing ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS`` after the

@@ -1,20 +1,16 @@
-"""Redis Streams.
+"""Redis Streams: one stream per event, one consumer group per consumer, a reclaimer.
 
-Redis stream entries as FastStream writes them, read with header lengths counted right
+**Entries** are read as FastStream writes them, with header lengths counted right
 (FastStream 0.7.8 writes lengths in characters and bytes in UTF-8), and an entry FastStream
 cannot read kept whole.
 
-A Redis stream entry being consumed: not acknowledging is the retry (the reclaimer takes it back
-after the idle time); the entry is kept fresh while its handler runs.
-
-Redis Streams: one stream per event, one consumer group per consumer, a reclaimer.
-
-Not acknowledging is the retry: the entry stays in the group's pending list and a second
-subscriber with ``min_idle_time`` (``XAUTOCLAIM``) takes it back once it has been idle for
+**Not acknowledging is the retry**, and the entry is kept fresh while its handler runs: the
+entry stays in the group's pending list and a second subscriber with ``min_idle_time``
+(``XAUTOCLAIM``) takes it back once it has been idle for
 ``MESSAGE_BUS__REDELIVERY_DELAY_SECONDS``; that reclaimer is also what rescues the entries of a
 consumer that crashed. The group is created at ``0`` before anything publishes (FastStream would
-create it at ``$`` and skip earlier entries). Streams are never trimmed: trimming deletes pending
-entries.
+create it at ``$`` and skip earlier entries). Streams are never trimmed: trimming deletes
+pending entries.
 
 Reclaiming goes by idle time alone, so a stalled event loop (a CPU-starved container, a long GC
 pause) can let this process's own reclaimer take an entry its handler is still running. The

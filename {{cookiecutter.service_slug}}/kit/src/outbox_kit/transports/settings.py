@@ -1,15 +1,14 @@
 """The message bus's settings and the names of its endpoints.
 
-The message bus: the transport chosen at run time, the tri-state outbox and inbox switches
+**The settings**: the transport chosen at run time, the tri-state outbox and inbox switches
 (unset resolves ON for a broker, OFF in-process), signing keys, consumer redelivery, the publish
 circuit breaker and Kafka topics.
 
-Broker names: one channel per integration event, one queue/group per consumer.
-
-Every name is prefixed with the application namespace (``APPLICATION__NAMESPACE``, the service
-slug when unset), so two applications sharing one broker never share a queue by accident
-``MESSAGE_BUS__PRESERVE_DEFAULT_ENDPOINT_NAMES=true`` keeps the bare
-names (for a cutover from a service that used them)."""
+**Broker names**: one channel per integration event, one queue or group per consumer. Every name
+is prefixed with the application namespace (``APPLICATION__NAMESPACE``, the service slug when
+unset), so two applications sharing one broker never share a queue by accident;
+``MESSAGE_BUS__PRESERVE_DEFAULT_ENDPOINT_NAMES=true`` keeps the bare names (for a cutover from a
+service that used them)."""
 
 from __future__ import annotations
 
