@@ -12,8 +12,9 @@ import importlib
 from dependency_injector import providers
 from outbox_kit.application.handlers import Module, discover_modules, import_table_modules
 from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.settings import ServiceSettings
 
-from .settings import ServiceSettings, Settings
+from .settings import Settings
 
 
 def build_modules() -> list[Module]:

@@ -71,3 +71,16 @@ def test_env_example_documents_the_settings_by_context_name() -> None:
         assert section in Settings.model_fields
         for pattern in patterns:
             assert f"# {pattern}=" in text, pattern
+
+
+def test_a_kit_name_this_module_re_exported_still_imports_with_a_warning_naming_its_home() -> None:
+    from outbox_kit.transports.settings import MessageBusSettings
+
+    from {{ cookiecutter.package_name }} import settings as module
+
+    new_home = r"import MessageBusSettings from outbox_kit\.transports\.settings"
+    with pytest.warns(DeprecationWarning, match=new_home):
+        moved = module.MessageBusSettings
+    assert moved is MessageBusSettings
+    with pytest.raises(AttributeError, match="no attribute 'Nonsense'"):
+        _ = module.Nonsense
