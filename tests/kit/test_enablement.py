@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from outbox_kit.runtime.app import startup_diagnostics
+from outbox_kit.runtime.diagnostics import startup_diagnostics
 from outbox_kit.runtime.settings import DEV_JWT_SECRET
 from outbox_kit.testing.fixtures import (
     free_port,

@@ -82,7 +82,8 @@ from outbox_kit.operations.rows import (
     TenantScope,
 )
 from outbox_kit.persistence.tables import DEFAULT_SOURCE
-from outbox_kit.runtime.container import OutboxContainer, warn_about_unsafe_configuration
+from outbox_kit.runtime.container import OutboxContainer
+from outbox_kit.runtime.diagnostics import startup_diagnostics
 from outbox_kit.runtime.edge import RequestEdgeMiddleware
 from outbox_kit.runtime.errors import ContextOfRoute, error_responses, install_error_handlers
 from outbox_kit.runtime.heap import freeze_start_up_heap
@@ -105,11 +106,6 @@ FORCED_EXIT_GRACE_SECONDS = 2.0
 # freezes the start-up heap (``runtime.heap``) and asks for the forced exit after the stop
 # deadline; an app served in a test never has it.
 OWN_PROCESS_STATE = "served_by_a_process_of_its_own"
-
-
-def startup_diagnostics(container: OutboxContainer) -> None:
-    """Warn about configurations that silently lose or duplicate messages."""
-    warn_about_unsafe_configuration(container.settings(), container.units_of_work())
 
 
 def create_app(container: OutboxContainer, *, with_worker: bool = False) -> FastAPI:

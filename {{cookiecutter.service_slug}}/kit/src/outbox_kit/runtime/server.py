@@ -36,9 +36,9 @@ from outbox_kit.runtime.app import (
     OWN_PROCESS_STATE,
     create_app,
     create_worker_app,
-    startup_diagnostics,
     stop_within_deadline,
 )
+from outbox_kit.runtime.diagnostics import startup_diagnostics
 from outbox_kit.runtime.heap import freeze_start_up_heap
 
 if TYPE_CHECKING:
