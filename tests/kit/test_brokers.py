@@ -35,9 +35,7 @@ from outbox_kit.application.messages import (
 from outbox_kit.application.text import as_str
 from outbox_kit.application.tracing import OpenTelemetryTracing, Tracing
 from outbox_kit.consume.inbox import current_delivery
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.brokers import LEFTOVERS
 from outbox_kit.testing.fixtures import (

@@ -18,9 +18,7 @@ from outbox_kit.persistence.tables import (
     COMMAND_TABLE,
     OUTBOX_TABLE,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import (

@@ -21,10 +21,7 @@ from fastapi import APIRouter, Depends, status
 from outbox_kit.application.context import (
     RequestContext,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-    SqlUnitOfWorkFactory,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, SqlUnitOfWorkFactory
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import authenticated, units_of_work
 from outbox_kit.testing.fixtures import live_server, token_for

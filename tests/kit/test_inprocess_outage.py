@@ -4,9 +4,7 @@ the outbox row that carried the event is released uncharged, as for a local doma
 from __future__ import annotations
 
 import pytest
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.harness import (
     CounterChangedV1,

@@ -21,9 +21,7 @@ from outbox_kit.persistence.tables import (
     InboxMessage,
     InternalCommandRow,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.processor import (
     Processor,

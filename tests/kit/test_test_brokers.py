@@ -30,9 +30,7 @@ from outbox_kit.application.handlers import HandlerRegistry
 from outbox_kit.application.messages import (
     MessageRegistry,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import acting_as, kit_container, make_settings
 from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect

@@ -23,10 +23,7 @@ import sqlalchemy as sa
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.persistence.unit_of_work import (
-    WakeSignal,
-    notify_channel,
-)
+from outbox_kit.persistence.writer import WakeSignal, notify_channel
 from outbox_kit.processor.processor import PostgresListener
 from outbox_kit.runtime.cli import CliError, reload_on_change
 from outbox_kit.runtime.container import OutboxContainer, build_listeners

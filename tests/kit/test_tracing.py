@@ -27,10 +27,7 @@ from outbox_kit.application.tracing import SpanKind as KitSpanKind
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-    SqlUnitOfWorkFactory,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork, SqlUnitOfWorkFactory
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.runtime.http import units_of_work
 from outbox_kit.testing.fixtures import ContainerFactory, acting_as, fetch, live_server

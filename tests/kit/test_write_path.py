@@ -33,10 +33,8 @@ from outbox_kit.persistence.tables import (
     InternalCommandRow,
     OutboxMessage,
 )
-from outbox_kit.persistence.unit_of_work import (
-    RelayWriter,
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
+from outbox_kit.persistence.writer import RelayWriter
 from outbox_kit.processor.claim import (
     Claimer,
 )

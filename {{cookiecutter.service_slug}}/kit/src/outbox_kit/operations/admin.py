@@ -38,7 +38,7 @@ from outbox_kit.operations.rows import (
 )
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.tables import DeadLetterReplay
-from outbox_kit.persistence.unit_of_work import wake_replicas
+from outbox_kit.persistence.writer import wake_replicas
 
 
 class RelayAdministration:

@@ -64,7 +64,8 @@ from outbox_kit.domain import Message
 from outbox_kit.persistence.database import Database
 from outbox_kit.persistence.save_guard import handler_scope
 from outbox_kit.persistence.tables import CASCADE_DEPTH_EXCEEDED, OUTBOX_TABLE, LeaseLostError, LeaseStore
-from outbox_kit.persistence.unit_of_work import Committed, SqlUnitOfWorkFactory, WrittenRow, wake_replicas
+from outbox_kit.persistence.unit_of_work import Committed, SqlUnitOfWorkFactory
+from outbox_kit.persistence.writer import WrittenRow, wake_replicas
 from outbox_kit.processor.cycle import CycleShutdown
 
 if TYPE_CHECKING:

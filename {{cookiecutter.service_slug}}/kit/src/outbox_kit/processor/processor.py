@@ -42,7 +42,7 @@ from typing import Any, Protocol, Self
 
 from outbox_kit.application.clock import Clock, TimeLimit
 from outbox_kit.application.tracing import SpanKind
-from outbox_kit.persistence.unit_of_work import WakeSignal
+from outbox_kit.persistence.writer import WakeSignal
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.settings import OutboxSettings
 from outbox_kit.transports.bus import Delivered, Unrouted

@@ -39,7 +39,8 @@ from outbox_kit.persistence.tables import (
     PolledTable,
     qualified_name,
 )
-from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory, WakeSignal, notify_channel
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.persistence.writer import RelayWriter, WakeSignal, notify_channel
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.deliverers import CommandDeliverer, OutboxDeliverer
 from outbox_kit.processor.in_process import LocalDispatcher

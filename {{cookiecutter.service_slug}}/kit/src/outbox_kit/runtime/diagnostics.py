@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from outbox_kit.persistence.unit_of_work import RelayWriter, SqlUnitOfWorkFactory
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWorkFactory
+from outbox_kit.persistence.writer import RelayWriter
 from outbox_kit.runtime.settings import ServiceSettings
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from outbox_kit.application.clock import Clock
 from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.operations.retention import RetentionCleaner
 from outbox_kit.persistence.database import Database
-from outbox_kit.persistence.unit_of_work import WakeSignal
+from outbox_kit.persistence.writer import WakeSignal
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import PostgresListener, Processor
 from outbox_kit.transports.bus import MessageBus

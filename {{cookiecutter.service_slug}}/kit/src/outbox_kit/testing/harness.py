@@ -40,9 +40,7 @@ from outbox_kit.persistence.repository import (
     Repository,
 )
 from outbox_kit.persistence.tables import COMMAND_TABLE, OUTBOX_TABLE
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import TableSource
 from outbox_kit.processor.processor import RowByRow, SourceSettings

@@ -82,10 +82,8 @@ from outbox_kit.consume.inbox import ConsumeOutcome, ConsumePipeline
 from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-    WakeSignal,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
+from outbox_kit.persistence.writer import WakeSignal
 from outbox_kit.processor.claim import ClaimedRow
 from outbox_kit.processor.cycle import (
     TableSource,

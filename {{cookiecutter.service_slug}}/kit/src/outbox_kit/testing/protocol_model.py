@@ -128,9 +128,7 @@ from outbox_kit.persistence.tables import (
     OUTBOX_TABLE,
     DeadLetterReplay,
 )
-from outbox_kit.persistence.unit_of_work import (
-    SqlUnitOfWork,
-)
+from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.processor.claim import (
     ClaimedRow,
     Claimer,
