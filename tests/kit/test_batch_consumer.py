@@ -38,7 +38,7 @@ from outbox_kit.testing.harness import (
     Noted,
     record_effect,
 )
-from outbox_kit.transports.base import DeadLetterCopy
+from outbox_kit.transports.copies import DeadLetterCopy
 from outbox_kit.transports.envelope import Envelope
 from outbox_kit.transports.rabbit import RabbitTransport
 from test_brokers import TRANSPORTS, Observer, Start

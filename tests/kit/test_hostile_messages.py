@@ -32,9 +32,7 @@ from outbox_kit.testing.brokers import (
     redis_only_messages,
 )
 from outbox_kit.testing.fixtures import SERVICE_URLS, eventually
-from outbox_kit.transports.base import (
-    ReceivedMessage,
-)
+from outbox_kit.transports.base import ReceivedMessage
 from outbox_kit.transports.kafka import (
     KafkaDelivery,
 )

@@ -34,7 +34,6 @@ from outbox_kit.persistence.unit_of_work import SqlUnitOfWork
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import acting_as, kit_container, make_settings
 from outbox_kit.testing.harness import CounterChangedV1, effects, install_kit, record_effect
-from outbox_kit.transports.base import the_message
 from outbox_kit.transports.envelope import Envelope, Signer
 from outbox_kit.transports.kafka import (
     ATTEMPT,
@@ -43,6 +42,7 @@ from outbox_kit.transports.kafka import (
     KafkaTopologyError,
     KafkaTransport,
 )
+from outbox_kit.transports.received import the_message
 from outbox_kit.transports.settings import (
     EndpointNames,
 )

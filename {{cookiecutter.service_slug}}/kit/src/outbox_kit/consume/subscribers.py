@@ -63,8 +63,9 @@ from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.metrics import RelayMetrics
 from outbox_kit.consume.inbox import ConsumePipeline
 from outbox_kit.persistence.database import is_database_outage
-from outbox_kit.transports.base import BrokerDelivery, DeliveryHandler, FastStreamTransport
+from outbox_kit.transports.base import FastStreamTransport
 from outbox_kit.transports.envelope import RejectedMessageError, claimed_context
+from outbox_kit.transports.received import BrokerDelivery, DeliveryHandler
 from outbox_kit.transports.settings import MessageBusSettings
 
 log = logging.getLogger(__name__)

@@ -102,14 +102,12 @@ from outbox_kit.runtime.container import OutboxContainer, build_transport
 from outbox_kit.runtime.heap import freeze_start_up_heap
 from outbox_kit.runtime.settings import ServiceSettings
 from outbox_kit.testing.fixtures import service_container
-from outbox_kit.transports.base import (
-    BrokerDelivery,
-    FastStreamTransport,
-)
+from outbox_kit.transports.base import FastStreamTransport
 from outbox_kit.transports.bus import MessageBus, PublishResult
 from outbox_kit.transports.envelope import (
     Envelope,
 )
+from outbox_kit.transports.received import BrokerDelivery
 from outbox_kit.transports.settings import (
     EndpointNames,
 )

@@ -26,7 +26,8 @@ from redis.asyncio import Redis
 from outbox_kit.runtime.container import OutboxContainer
 from outbox_kit.testing.fixtures import TEST_SIGNING_KEYS
 from outbox_kit.testing.harness import CONSUMER, CounterChangedV1
-from outbox_kit.transports.base import DeadLetterCopy, FastStreamTransport
+from outbox_kit.transports.base import FastStreamTransport
+from outbox_kit.transports.copies import DeadLetterCopy
 from outbox_kit.transports.envelope import SIGNATURE, USER_ROLES
 from outbox_kit.transports.redis import Utf8BinaryMessageFormat
 

@@ -1,67 +1,26 @@
-"""What the four broker transports share: the FastStream base (:class:`FastStreamTransport`,
-the message bus port for a broker), the :class:`BrokerDelivery` a transport hands the consume
-wrapper, reading a received message's broker headers, and dead-letter copies that fit the broker.
+"""What the four broker transports share: the FastStream base (:class:`FastStreamTransport`, the
+message bus port for a broker). What a transport receives is read by ``transports.received``,
+and its dead-letter copies are fitted to the broker by ``transports.copies``.
 
 Publishing: every transport signs the envelope, adds its CloudEvent headers, publishes within
 ``MESSAGE_BUS__PUBLISH_TIMEOUT_SECONDS`` (a batch pipelined on the broker's own acknowledgements)
 and tells an outage (:class:`~outbox_kit.transports.bus.BrokerUnavailableError`, never charged to
-the row) from a refusal of the message; a subclass only puts one signed message on its broker.
-
-Receiving: everything that arrives is untrusted, bytes and headers alike, and every message must
-end acknowledged: processed, retried (bounded) or dead-lettered with a reason. So the transports:
-
-* hand the message over undecoded (:func:`the_message` replaces FastStream's decoder, which would
-  run ``json.loads`` before the service sees the message: a 5,000-digit integer or a deeply
-  nested array raised there, outside any error handling, and the message stayed unacknowledged);
-  the consume pipeline decodes the body, where a bad body is a rejection. The brokers run
-  without FastStream's dependency injection (``apply_types=False``): the subscriber is called with
-  what the decoder returned, the message itself (resolving a ``Context`` argument ran in a thread
-  pool per message: a sixth of a consumed message's CPU);
-* read the broker's delivery counters strictly (:func:`broker_count`): a counter the broker
-  would never write was forged or mangled on the way, and with it the retries can no longer be
-  bounded, so the message is rejected (``malformed_header``) instead of trusted or crashed on;
-* copy header values onto dead-letter copies only as one line of valid UTF-8 text, bounded
-  (:func:`own_headers`): a value that is not UTF-8 used to crash the copy itself;
-* where FastStream's own parser fails on what a broker can carry (Redis, Kafka), parse a
-  readable stand-in instead (:func:`fallback_parser`), so the handler runs and ends the message.
-
-Dead-letter copies (and Kafka's retry copy) are sized against what the transport accepts before
-they are published. A copy carries the original's headers escaped (a control byte becomes
-``\\xNN``, four times its size), so an original the broker accepted can give a copy it refuses,
-and how it refuses depends on the transport: RabbitMQ closes the whole connection on a header
-frame over ``frame_max`` (every consumer and publisher on it included, and the message comes back
-after the reconnect), NATS closes the connection on a message over ``max_payload`` and refuses
-headers over 64 KiB, Kafka's producer refuses a record over ``max_request_size``. So every copy is
-measured first (:class:`CopyLimit`, one per transport): a copy that does not fit keeps only its
-essential headers (the service's signed headers within their own limits, and the reason), and a
-body that still does not fit is cut; a copy the broker refuses all the same is sent again as a
-minimal copy (essential headers, no body). What was left out is said in ``x-truncated``. A
-refusal is then a failure of that one message, never of the connection, and every message still
-ends processed or dead-lettered."""
+the row) from a refusal of the message; a subclass only puts one signed message on its broker."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import re
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from outbox_kit.application.handlers import Consumer
-from outbox_kit.application.text import as_str, safe_text
 from outbox_kit.transports.bus import BrokerUnavailableError, PublishResult, Unrouted
 from outbox_kit.transports.envelope import (
-    LIMITS,
-    MESSAGE_ID,
-    SIGNATURE,
-    SIGNED_HEADERS,
     Envelope,
-    RejectedMessageError,
-    Rejection,
     Signer,
     cloud_event_headers,
 )
@@ -76,272 +35,10 @@ if TYPE_CHECKING:
 from faststream import BaseMiddleware
 from faststream.prometheus.types import PublishingStatus
 
+from outbox_kit.transports.copies import DeadLetterCopy
+from outbox_kit.transports.received import DeliveryHandler, message_id_of
+
 log = logging.getLogger(__name__)
-TRUNCATED = "x-truncated"
-
-HeaderSize = Callable[[Mapping[str, str]], int]
-Publish = Callable[[bytes, dict[str, str]], Awaitable[None]]
-
-
-def utf8_size(headers: Mapping[str, str]) -> int:
-    """Names and values in UTF-8, with a few bytes of framing each (Kafka's varints, Redis's
-    lengths): what a header block weighs where the transport has no fixed layout."""
-    return sum(len(name.encode()) + len(value.encode()) + 8 for name, value in headers.items())
-
-
-@dataclass(frozen=True)
-class CopyLimit:
-    """What one copy may weigh on a transport, as that transport measures it (None: no limit
-    that a copy of an accepted message can reach). Each bound already leaves room for what
-    FastStream and the client add to a publish (a content type, a correlation id, framing)."""
-
-    header_bytes: int | None
-    message_bytes: int | None
-    header_size: HeaderSize = utf8_size
-
-    def headers_fit(self, headers: Mapping[str, str]) -> bool:
-        return self.header_bytes is None or self.header_size(headers) <= self.header_bytes
-
-    def body_room(self, headers: Mapping[str, str]) -> int | None:
-        """How many body bytes fit next to ``headers`` (None: any)."""
-        return None if self.message_bytes is None else max(self.message_bytes - self.header_size(headers), 0)
-
-    def fits(self, body: bytes, headers: Mapping[str, str]) -> bool:
-        room = self.body_room(headers)
-        return self.headers_fit(headers) and (room is None or len(body) <= room)
-
-
-NO_LIMIT = CopyLimit(header_bytes=None, message_bytes=None)
-
-
-def signed_essentials(headers: Mapping[str, str]) -> dict[str, str]:
-    """The service's signed headers (and the signature) of a copy, each only when within its own
-    limit: what identifies the message and lets a replayed copy verify."""
-    return {
-        name: headers[name]
-        for name in (*SIGNED_HEADERS, SIGNATURE)
-        if name in headers and len(headers[name].encode()) <= LIMITS[name]
-    }
-
-
-def _with_note(headers: Mapping[str, str], note: str) -> dict[str, str]:
-    earlier = headers.get(TRUNCATED)
-    return {**headers, TRUNCATED: f"{earlier}; {note}" if earlier else note}
-
-
-def fitted(
-    body: bytes, headers: dict[str, str], essentials: dict[str, str], limit: CopyLimit
-) -> tuple[bytes, dict[str, str]]:
-    """The copy as it will fit ``limit``: whole when it does; else with ``essentials`` only as its
-    headers, and the body cut to the room left. ``x-truncated`` says what was left out."""
-    if limit.fits(body, headers):
-        return body, headers
-    if not limit.headers_fit(headers):
-        dropped = len(headers) - len(essentials)
-        headers = _with_note(essentials, f"headers: {dropped} left out, over the transport's header limit")
-    room = limit.body_room(headers)
-    if room is not None and len(body) > room:
-        headers = _with_note(headers, f"body: first {max(room - 128, 0)} of {len(body)} bytes")
-        body = body[: max(room - 128, 0)]  # 128: the note itself
-    return body, headers
-
-
-async def publish_copy(
-    publish: Publish,
-    body: bytes,
-    headers: dict[str, str],
-    *,
-    essentials: dict[str, str],
-    limit: CopyLimit,
-    refusals: tuple[type[BaseException], ...],
-) -> None:
-    """Publish the copy fitted to ``limit``; when the broker refuses it all the same (one of
-    ``refusals``: a size or content refusal of this message, never an outage), publish the
-    minimal copy instead: ``essentials``, no body, the refusal in ``x-truncated``."""
-    body, headers = fitted(body, headers, essentials, limit)
-    try:
-        await publish(body, headers)
-    except refusals as refused:
-        reason = safe_text(f"{type(refused).__name__}: {refused}", 300)
-        log.warning("copy of message refused (%s); publishing a minimal copy", reason)
-        note = f"refused whole ({reason}): headers and body ({len(body)} bytes) left out"
-        minimal = _with_note(essentials, note)
-        await publish(b"", minimal)
-
-
-OWN_HEADER_PREFIXES = ("x-", "traceparent")
-
-BROKER_COUNTERS = ("x-death", "x-delivery-count")
-
-# Far above any legitimate header (the largest, x-user-roles, is limited to 512 bytes on read),
-# so a copy of a genuine message keeps its signed headers intact and stays replayable.
-HEADER_VALUE_LIMIT = 1024
-
-HEADER_NAME_LIMIT = 200
-
-ERROR_LIMIT = 1000
-
-# The headers a copy carries beyond the service's own signed ones ("foreign": anyone's x-*), at
-# most this many and this many bytes together: a copy must stay far inside every transport's
-# limit (RabbitMQ's 128 KiB header frame, JetStream's 64 KiB of headers, Kafka's 1 MiB record),
-# however many headers the original came with.
-FOREIGN_HEADER_COUNT = 32
-FOREIGN_HEADER_BYTES = 8 * 1024
-
-# The headers a dead-letter copy writes itself: an original's own are not copied (forged ones
-# would read as the service's).
-REASON_HEADERS = ("x-error", "x-attempts", "x-original-address", TRUNCATED)
-
-_COUNT = re.compile(r"[0-9]{1,18}")
-
-RawParser = Callable[[Any], Awaitable[Any]]
-
-
-async def the_message(message: Any) -> Any:  # noqa: ANN401 (a FastStream message)
-    """FastStream's decoder, replaced: the subscriber gets the message itself, its body the bytes
-    that arrived (see the module)."""
-    return message
-
-
-def fallback_parser(readable: Callable[[Any], Awaitable[Any]]) -> Callable[[Any, RawParser], Awaitable[Any]]:
-    """A FastStream parser (``parser=`` of a subscriber) that runs FastStream's own and, when that
-    fails on a raw message, runs it again on ``readable(raw)``: the same message made readable
-    (for example without the headers it could not decode). A parser failure happens before the
-    handler, so nothing would acknowledge the message: it would stay pending for good."""
-
-    async def parse(raw: Any, original: RawParser) -> Any:  # noqa: ANN401 (a broker's raw message)
-        try:
-            return await original(raw)
-        except Exception as error:  # noqa: BLE001 (any parser failure: read the stand-in)
-            log.warning(
-                "unreadable broker message, read without what failed: %s: %s", type(error).__name__, error
-            )
-        return await original(await readable(raw))
-
-    return parse
-
-
-def broker_count(name: str, value: object) -> int:
-    """A delivery counter as the broker (or this service, for Kafka) writes it: a non-negative
-    integer, or its decimal digits. Anything else raises a ``malformed_header`` rejection."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, (str, bytes)) and _COUNT.fullmatch(as_str(value)):
-        return int(as_str(value))
-    detail = f"{name} is not a delivery count: {safe_text(value, 80)}"
-    raise RejectedMessageError(Rejection.MALFORMED_HEADER, detail)
-
-
-def own_headers(headers: Mapping[str, object]) -> dict[str, str]:
-    """The headers a copy carries along, each one line of valid text, bounded: the service's
-    signed headers first, then other ``x-*`` headers and ``traceparent`` (the broker's counters
-    stay behind) up to :data:`FOREIGN_HEADER_COUNT` and :data:`FOREIGN_HEADER_BYTES`; how many were
-    left out is said in ``x-truncated``."""
-    signed = {
-        name: safe_text(headers[name], HEADER_VALUE_LIMIT)
-        for name in (*SIGNED_HEADERS, SIGNATURE)
-        if name in headers
-    }
-    foreign: dict[str, str] = {}
-    size = left_out = 0
-    for name, value in headers.items():
-        if not name.startswith(OWN_HEADER_PREFIXES) or name in BROKER_COUNTERS or name in signed:
-            continue
-        if name in REASON_HEADERS:
-            continue
-        text_name, text = safe_text(name, HEADER_NAME_LIMIT), safe_text(value, HEADER_VALUE_LIMIT)
-        weight = len(text_name.encode()) + len(text.encode())
-        if len(foreign) >= FOREIGN_HEADER_COUNT or size + weight > FOREIGN_HEADER_BYTES:
-            left_out += 1
-            continue
-        foreign[text_name] = text
-        size += weight
-    kept = signed | foreign
-    if left_out:
-        kept[TRUNCATED] = (
-            f"headers: {left_out} left out (a copy keeps at most {FOREIGN_HEADER_COUNT} other "
-            f"headers, {FOREIGN_HEADER_BYTES} bytes together)"
-        )
-    return kept
-
-
-def dead_letter_headers(
-    headers: Mapping[str, object], error: str, attempt: int, origin: str
-) -> tuple[dict[str, str], dict[str, str]]:
-    """The headers of a dead-letter copy, and the essential ones a copy that must shrink keeps
-    (the signed headers within their limits, and the reason: see copies.py)."""
-    reason = reason_headers(error, attempt, origin)
-    copied = own_headers(headers) | reason
-    return copied, signed_essentials(copied) | reason
-
-
-def reason_headers(error: str, attempt: int, origin: str) -> dict[str, str]:
-    """Why and from where a message was dead-lettered: in every copy, the minimal one included."""
-    return {
-        "x-error": safe_text(error, ERROR_LIMIT),
-        "x-attempts": str(attempt),
-        "x-original-address": safe_text(origin, HEADER_VALUE_LIMIT),
-    }
-
-
-def as_text(headers: Mapping[str, object]) -> dict[str, str]:
-    """Headers read back from a dead-letter destination, as text (never raising on bytes)."""
-    return {k: as_str(v) for k, v in headers.items()}
-
-
-def message_id_of(headers: Mapping[str, object]) -> str:
-    """The message id for logs and broker properties: one line, within the id's own limit."""
-    return safe_text(headers.get(MESSAGE_ID, "?"), LIMITS[MESSAGE_ID])
-
-
-class BrokerDelivery(Protocol):
-    """One received message, with the transport's ack / retry / dead-letter steps."""
-
-    body: bytes
-
-    @property
-    def headers(self) -> Mapping[str, object]: ...
-
-    @property
-    def message_id(self) -> str: ...
-
-    async def attempt(self) -> int:
-        """1 for the first delivery, 2 for the first redelivery, ..."""
-        ...
-
-    async def ack(self) -> None: ...
-
-    async def retry(self, attempt: int) -> None:
-        """Ask the broker to deliver the message again after a delay."""
-        ...
-
-    async def dead_letter(self, error: str, attempt: int) -> None:
-        """Publish a copy to the dead-letter destination (confirmed), then ack the original."""
-        ...
-
-    @property
-    def heartbeat_seconds(self) -> float | None:
-        """How often ``touch`` must run while the handler works (None: never)."""
-        ...
-
-    async def touch(self) -> None:
-        """Tell the broker the message is still being worked on (no redelivery meanwhile)."""
-        ...
-
-
-DeliveryHandler = Callable[[BrokerDelivery], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class DeadLetterCopy:
-    """A message found in a consumer's dead-letter destination."""
-
-    headers: dict[str, str]
-    body: bytes
-
-    @property
-    def error(self) -> str:
-        return self.headers.get("x-error", "")
 
 
 # FastStream's own records (a subscriber waiting, a message that failed) go through the service's

@@ -84,25 +84,25 @@ from faststream.message import AckStatus
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.application.text import as_str
-from outbox_kit.transports.base import (
-    BROKER_LOG,
-    TRUNCATED,
+from outbox_kit.transports.base import BROKER_LOG, FastStreamTransport, ReceivedMessage
+from outbox_kit.transports.copies import (
     CopyLimit,
     DeadLetterCopy,
-    DeliveryHandler,
-    FastStreamTransport,
     Publish,
-    ReceivedMessage,
     as_text,
-    broker_count,
     dead_letter_headers,
-    fallback_parser,
-    own_headers,
     publish_copy,
     signed_essentials,
-    the_message,
 )
 from outbox_kit.transports.envelope import Envelope, Signer
+from outbox_kit.transports.received import (
+    TRUNCATED,
+    DeliveryHandler,
+    broker_count,
+    fallback_parser,
+    own_headers,
+    the_message,
+)
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

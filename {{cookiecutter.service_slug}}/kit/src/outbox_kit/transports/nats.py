@@ -45,20 +45,15 @@ from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import IntegrationEvent, MessageRegistry
 from outbox_kit.transports.base import (
     BROKER_LOG,
-    CopyLimit,
-    DeadLetterCopy,
-    DeliveryHandler,
     FastStreamTransport,
     KnownConsumers,
     PingFailedError,
     ReceivedMessage,
-    as_text,
-    dead_letter_headers,
-    publish_copy,
-    the_message,
 )
 from outbox_kit.transports.bus import Unrouted
+from outbox_kit.transports.copies import CopyLimit, DeadLetterCopy, as_text, dead_letter_headers, publish_copy
 from outbox_kit.transports.envelope import Envelope, Signer
+from outbox_kit.transports.received import DeliveryHandler, the_message
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

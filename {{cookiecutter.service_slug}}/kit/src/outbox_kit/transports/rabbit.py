@@ -65,21 +65,15 @@ from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.transports.base import (
     BROKER_LOG,
-    CopyLimit,
-    DeadLetterCopy,
-    DeliveryHandler,
     FastStreamTransport,
     PingFailedError,
     ReceivedMessage,
-    as_text,
-    broker_count,
-    dead_letter_headers,
-    publish_copy,
     publish_each,
-    the_message,
 )
 from outbox_kit.transports.bus import PublishResult, Unrouted
+from outbox_kit.transports.copies import CopyLimit, DeadLetterCopy, as_text, dead_letter_headers, publish_copy
 from outbox_kit.transports.envelope import Envelope, RejectedMessageError, Rejection, Signer
+from outbox_kit.transports.received import DeliveryHandler, broker_count, the_message
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:

@@ -60,22 +60,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from outbox_kit.application.handlers import Consumer
 from outbox_kit.application.messages import MessageRegistry
 from outbox_kit.application.text import as_str
-from outbox_kit.transports.base import (
-    BROKER_LOG,
-    NO_LIMIT,
-    DeadLetterCopy,
-    DeliveryHandler,
-    FastStreamTransport,
-    KnownConsumers,
-    ReceivedMessage,
-    as_text,
-    dead_letter_headers,
-    fallback_parser,
-    publish_copy,
-    the_message,
-)
+from outbox_kit.transports.base import BROKER_LOG, FastStreamTransport, KnownConsumers, ReceivedMessage
 from outbox_kit.transports.bus import Unrouted
+from outbox_kit.transports.copies import NO_LIMIT, DeadLetterCopy, as_text, dead_letter_headers, publish_copy
 from outbox_kit.transports.envelope import Envelope, Signer, claimed_context
+from outbox_kit.transports.received import DeliveryHandler, fallback_parser, the_message
 from outbox_kit.transports.settings import EndpointNames, MessageBusSettings
 
 if TYPE_CHECKING:
